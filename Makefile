@@ -1,0 +1,37 @@
+# Two commands matter: `make run` and `make test`. Both set up .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test check format bench install clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)  ## start the gateway on config/gateway.yaml (simulated models, no keys)
+	$(BIN)/tailguard serve $(ARGS)
+
+test: $(STAMP)  ## the whole suite
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+check: $(STAMP)  ## format, lint, types
+	$(BIN)/ruff format --check gateway tests bench
+	$(BIN)/ruff check gateway tests bench
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format gateway tests bench
+	$(BIN)/ruff check --fix gateway tests bench
+
+bench: $(STAMP)  ## gateway overhead against direct-to-upstream
+	$(BIN)/python bench/overhead.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,480 @@
+"""The HTTP edge: the app factory, its lifespan, the routes, error responses and the SSE relay.
+
+Only this module imports FastAPI/Starlette. The app owns everything with a lifetime (provider
+clients, stores, background tasks) through one `AsyncExitStack` in the lifespan; handlers reach it
+as `request.state.services`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.config import Settings, load_settings
+from gateway.errors import (
+    BodyTooLargeError,
+    GatewayError,
+    InvalidRequestError,
+    ProviderError,
+    ProviderTimeoutError,
+    StreamInterruptedError,
+    UnknownModelError,
+    render,
+    stream_error,
+)
+from gateway.latency import MemoryRecorder, Recorder, Sample
+from gateway.models import Call, Endpoint, Wire
+from gateway.providers import open_providers
+from gateway.providers.base import Provider
+from gateway.routing import Opened, open_first, plan
+from gateway.validate import parse_call
+
+log = logging.getLogger("tailguard")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_TRACEPARENT = re.compile(r"^00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
+_JSON = b"application/json"
+_SSE = b"text/event-stream; charset=utf-8"
+
+
+@dataclass(slots=True)
+class Services:
+    """Everything a handler needs, built once per app by the lifespan."""
+
+    settings: Settings
+    providers: dict[str, Provider]
+    recorder: Recorder
+    rng: random.Random
+    started_at: float
+
+
+# --- the edge middleware: request id and arrival time on every request ---------------------------
+
+
+class EdgeMiddleware:
+    """Stamps arrival time and a request id on the scope, and `x-request-id` on every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope["tailguard.t0"] = time.perf_counter()
+        request_id = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                candidate = value.decode("latin-1")
+                if _REQUEST_ID.match(candidate):
+                    request_id = candidate
+                break
+        if request_id is None:
+            request_id = "req_" + os.urandom(12).hex()
+        scope["tailguard.request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                if not any(name == b"x-request-id" for name, _ in headers):
+                    headers.append(header)
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def _wire_of(path: str) -> Wire:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def error_response(error: GatewayError, wire: Wire) -> Response:
+    return Response(
+        render(error, wire), status_code=error.status, headers=error.headers,
+        media_type="application/json",
+    )
+
+
+async def _gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc, _wire_of(request.url.path))
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    error = InvalidRequestError(str(first.get("msg", "Invalid request.")), param=param)
+    return error_response(error, _wire_of(request.url.path))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    error = GatewayError(str(exc.detail), code={404: "not_found", 405: "method_not_allowed"}.get(
+        exc.status_code, "http_error"))
+    error.status = exc.status_code
+    error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error_response(error, _wire_of(request.url.path))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    error = GatewayError("The gateway failed to process the request.")
+    return error_response(error, _wire_of(request.url.path))
+
+
+# --- the proxy -----------------------------------------------------------------------------------
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refusing it as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLargeError(f"The request body exceeds the limit of {limit} bytes.")
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BodyTooLargeError(f"The request body exceeds the limit of {limit} bytes.")
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _forward_headers(request: Request, request_id: str) -> dict[str, str]:
+    headers = {"x-request-id": request_id}
+    traceparent = request.headers.get("traceparent")
+    if traceparent and _TRACEPARENT.match(traceparent):
+        headers["traceparent"] = traceparent
+    return headers
+
+
+async def proxy(request: Request, endpoint: Endpoint) -> Response:
+    services: Services = request.state.services
+    scope = request.scope
+    raw = await read_body(request, services.settings.server.max_body_bytes)
+    call = parse_call(endpoint, raw)
+    spec = services.settings.model(call.model)
+    if spec is None:
+        names = ", ".join(m.name for m in services.settings.models)
+        raise UnknownModelError(
+            f"The model '{call.model}' does not exist. Available models: {names}.", param="model"
+        )
+    call.request_id = scope["tailguard.request_id"]
+    call.forward_headers = _forward_headers(request, call.request_id)
+    candidates = plan(spec, services.settings, services.providers, call, services.rng)
+    budget = spec.budget.ttft_ms if spec.on_ttft_miss != "none" else None
+    return ProxyResponse(services, call, candidates, scope["tailguard.t0"],
+                         ttft_budget_s=budget / 1000 if budget else None,
+                         total_budget_s=(spec.budget.total_ms / 1000
+                                         if spec.budget.total_ms else None))
+
+
+class ProxyResponse(Response):
+    """Runs the attempt loop and relays the answer when the server calls it.
+
+    A watcher cancels the work as soon as the client disconnects, streaming or not, so the
+    upstream connection is closed at once (by the `finally` that owns it).
+    """
+
+    def __init__(
+        self,
+        services: Services,
+        call: Call,
+        candidates: list[Any],
+        t0: float,
+        *,
+        ttft_budget_s: float | None,
+        total_budget_s: float | None,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self._services = services
+        self._call = call
+        self._candidates = candidates
+        self._t0 = t0
+        self._ttft_budget_s = ttft_budget_s
+        self._total_budget_s = total_budget_s
+        self._client_gone = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(self._watch(receive, task))
+        try:
+            await self._serve(send)
+        except asyncio.CancelledError:
+            if not self._client_gone:
+                raise
+            task.uncancel()  # the client left: nothing is wrong with the server
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self._client_gone = True
+                task.cancel()
+                return
+
+    async def _serve(self, send: Send) -> None:
+        call = self._call
+        services = self._services
+        try:
+            opened = await open_first(
+                call, self._candidates, headers=call.forward_headers,
+                recorder=services.recorder, ttft_budget_s=self._ttft_budget_s,
+            )
+        except GatewayError as error:
+            if isinstance(error, ProviderError) or error.status >= 500:
+                log.warning("request %s failed: %s", call.request_id, error.message)
+            await _send_error(send, error, call.wire)
+            return
+        try:
+            if call.stream:
+                await self._relay(opened, send)
+            else:
+                await self._respond(opened, send)
+        finally:
+            await opened.stream.aclose()
+
+    def _headers(self, opened: Opened, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        now = time.perf_counter()
+        first = opened.attempts[0].started
+        committed = opened.tally.first_token_at or now
+        route_ms = (first - self._t0) * 1000
+        upstream_ms = (committed - first) * 1000
+        overhead_ms = route_ms + (now - committed) * 1000
+        timing = [f"route;dur={route_ms:.2f}"]
+        for index, attempt in enumerate(opened.attempts):
+            ended = attempt.ended or committed
+            timing.append(
+                f'attempt{index + 1};dur={(ended - attempt.started) * 1000:.1f};'
+                f'desc="{attempt.deployment} {attempt.outcome}"'
+            )
+        stage = "ttft" if self._call.stream else "upstream"
+        timing.append(f"{stage};dur={(committed - self._t0) * 1000:.1f}")
+        headers = [
+            (b"content-type", content_type),
+            (b"x-tailguard-model", opened.candidate.model.encode()),
+            (b"x-tailguard-deployment", opened.candidate.id.encode()),
+            (b"x-tailguard-route", opened.route.encode()),
+            (b"x-tailguard-attempts", str(len(opened.attempts)).encode()),
+            (b"x-tailguard-overhead-ms", f"{overhead_ms:.3f}".encode()),
+            (b"server-timing", ", ".join(timing).encode()),
+        ]
+        if opened.stream.upstream_request_id:
+            headers.append((b"x-upstream-request-id", opened.stream.upstream_request_id.encode()))
+        if len(opened.attempts) > 1:
+            headers.append((b"x-should-retry", b"false"))
+        return headers
+
+    async def _respond(self, opened: Opened, send: Send) -> None:
+        body = b"".join(opened.head)
+        headers = self._headers(opened, _JSON)
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        ended = time.perf_counter()
+        tally = opened.tally
+        self._services.recorder.record(
+            Sample(
+                opened.candidate.id, opened.candidate.model, ok=True,
+                total_s=ended - opened.started, input_tokens=tally.usage.input_tokens,
+                output_tokens=tally.output_tokens,
+            )
+        )
+
+    async def _relay(self, opened: Opened, send: Send) -> None:
+        call = self._call
+        headers = self._headers(opened, _SSE)
+        headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        tally = opened.tally
+        translate = opened.prepared.stream.feed
+        stream = opened.stream
+        deadline = None
+        if self._total_budget_s is not None:
+            deadline = asyncio.get_running_loop().time() + max(
+                0.0, self._total_budget_s - (time.perf_counter() - self._t0)
+            )
+        failure: GatewayError | None = None
+        finished = opened.ended
+        body = b"".join(opened.head)
+        pending = opened.pending
+        try:
+            while True:
+                out = [body] if body else []
+                for chunk in pending:
+                    if chunk.error is not None:
+                        failure = StreamInterruptedError(
+                            f"{opened.candidate.id}: upstream error after the stream began: "
+                            f"{chunk.error.message[:300]}"
+                        )
+                        break
+                    tally.add(chunk, time.perf_counter())
+                    out.append(translate(chunk))
+                    if chunk.done:
+                        finished = True
+                        break
+                data = b"".join(out)
+                if data:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                if failure is not None or finished:
+                    break
+                body = b""
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        batch = await stream.read()
+                except TimeoutError:
+                    failure = ProviderTimeoutError(
+                        f"{opened.candidate.id}: the total budget of "
+                        f"{round((self._total_budget_s or 0) * 1000)} ms ran out mid-stream",
+                        deployment=opened.candidate.id, kind="total_deadline",
+                    )
+                    break
+                if batch is None:
+                    failure = StreamInterruptedError(
+                        f"{opened.candidate.id}: the upstream ended the stream before it was "
+                        "complete"
+                    )
+                    break
+                pending = batch
+        except ProviderError as error:
+            failure = StreamInterruptedError(error.message)
+        if failure is not None:
+            log.warning("request %s: stream cut: %s", call.request_id, failure.message)
+            tally.finish_reasons.append("error")
+            await send({
+                "type": "http.response.body", "body": stream_error(failure, call.wire),
+                "more_body": False,
+            })
+        else:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._record_stream(opened, ok=failure is None,
+                            error=failure.code if failure is not None else None)
+
+    def _record_stream(self, opened: Opened, *, ok: bool, error: str | None) -> None:
+        tally = opened.tally
+        ended = time.perf_counter()
+        ttft = tally.first_token_at - opened.started if tally.first_token_at else None
+        tokens = tally.output_tokens
+        tpot = None
+        if tally.first_token_at and tally.last_token_at and tokens > 1:
+            tpot = (tally.last_token_at - tally.first_token_at) / (tokens - 1)
+        self._services.recorder.record(
+            Sample(
+                opened.candidate.id, opened.candidate.model, ok=ok,
+                total_s=ended - opened.started, ttft_s=ttft, tpot_s=tpot,
+                input_tokens=tally.usage.input_tokens, output_tokens=tokens, error=error,
+            )
+        )
+
+
+async def _send_error(send: Send, error: GatewayError, wire: Wire) -> None:
+    body = render(error, wire)
+    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+
+def create_app(settings: Settings, *, recorder: Recorder | None = None) -> FastAPI:
+    """Build the gateway app for `settings`. Nothing is opened until its lifespan starts."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        async with AsyncExitStack() as stack:
+            providers = await open_providers(settings, stack)
+            services = Services(
+                settings=settings,
+                providers=providers,
+                recorder=recorder if recorder is not None else MemoryRecorder(),
+                rng=random.Random(),
+                started_at=time.time(),
+            )
+            yield {"services": services}
+
+    app = FastAPI(
+        title="Tailguard",
+        summary="A latency-aware LLM API gateway.",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(EdgeMiddleware)
+    _add_routes(app)
+    return app
+
+
+def _add_routes(app: FastAPI) -> None:
+    def llm_route(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
+            return await proxy(request, endpoint)
+
+        handler.__name__ = f"proxy_{endpoint}"
+        return handler
+
+    app.add_api_route("/v1/chat/completions", llm_route("chat"), methods=["POST"])
+    app.add_api_route("/v1/completions", llm_route("completions"), methods=["POST"])
+    app.add_api_route("/v1/embeddings", llm_route("embeddings"), methods=["POST"])
+    app.add_api_route("/v1/messages", llm_route("messages"), methods=["POST"])
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        services: Services = request.state.services
+        created = int(services.started_at)
+        data = [
+            {"id": m.name, "object": "model", "created": created, "owned_by": "tailguard"}
+            for m in services.settings.models
+        ]
+        return Response(orjson.dumps({"object": "list", "data": data}),
+                        media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> Response:
+        services: Services = request.state.services
+        body = {
+            "status": "ready",
+            "providers": sorted(services.providers),
+            "models": [m.name for m in services.settings.models],
+            "latency_store": {"type": services.settings.latency.store, "state": "ok"},
+        }
+        return Response(orjson.dumps(body), media_type="application/json")
+
+
+def create_app_from_env() -> FastAPI:
+    """App factory for `uvicorn --factory` and worker processes: loads `$TAILGUARD_CONFIG`."""
+    return create_app(load_settings())
+

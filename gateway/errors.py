@@ -1,0 +1,232 @@
+"""The whole error vocabulary, and how an error is spelled on each wire.
+
+    GatewayError                      500 server_error
+    ├── InvalidRequestError           400 invalid_request_error (param names the field)
+    ├── BodyTooLargeError             413 invalid_request_error
+    ├── UnknownModelError             404 invalid_request_error, code model_not_found
+    ├── OverloadedError               503 (retry-after)
+    ├── ProviderError                 502 one upstream attempt failed before commit (retryable)
+    │   ├── ProviderTimeoutError      504
+    │   ├── RateLimitedError          429 (retry-after)
+    │   ├── ProviderUnavailableError  503 (upstream 503 / Anthropic 529)
+    │   └── ProviderRejectedError     400/413/422 from upstream: the request itself is bad (final)
+    └── AllCandidatesFailedError      504 if all timed out, 429 if all rate limited, else 502
+
+Exceptions from libraries (httpx, redis) are translated where they are caught, never here.
+Messages made by the gateway name the deployment and never carry a credential; `scrub` removes
+key-like strings from text that came from elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import orjson
+
+from gateway.models import Wire
+from gateway.sse import frame
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = "internal_error"
+    retryable: bool = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers: dict[str, str] = dict(headers or {})
+
+
+class InvalidRequestError(GatewayError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class BodyTooLargeError(GatewayError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class UnknownModelError(GatewayError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class OverloadedError(GatewayError):
+    status, type, code = 503, "server_error", "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, headers={"retry-after": str(max(1, round(retry_after_s)))})
+        self.retry_after_s = retry_after_s
+
+
+class ProviderError(GatewayError):
+    """One upstream attempt failed before any byte reached the client."""
+
+    status, type, code, retryable = 502, "server_error", "upstream_error", True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        deployment: str,
+        upstream_status: int | None = None,
+        kind: str | None = None,
+    ) -> None:
+        super().__init__(f"{deployment}: {message}")
+        self.deployment = deployment
+        self.upstream_status = upstream_status
+        # Low-cardinality reason, used for `error.type` and why an attempt ended.
+        self.kind = kind or (str(upstream_status) if upstream_status else type(self).__name__)
+
+
+class ProviderTimeoutError(ProviderError):
+    status, code = 504, "upstream_timeout"
+
+
+class RateLimitedError(ProviderError):
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        deployment: str,
+        upstream_status: int | None = 429,
+        retry_after_s: float | None = None,
+        kind: str | None = None,
+    ) -> None:
+        super().__init__(message, deployment=deployment, upstream_status=upstream_status, kind=kind)
+        self.retry_after_s = retry_after_s
+        if retry_after_s is not None:
+            self.headers["retry-after"] = str(max(1, round(retry_after_s)))
+
+
+class ProviderUnavailableError(ProviderError):
+    status, code = 503, "upstream_overloaded"
+
+
+class ProviderRejectedError(ProviderError):
+    """The upstream refused the request itself (400/413/422): another deployment would too."""
+
+    type, code, retryable = "invalid_request_error", "upstream_rejected", False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        deployment: str,
+        upstream_status: int,
+        param: str | None = None,
+        upstream_code: str | None = None,
+    ) -> None:
+        super().__init__(message, deployment=deployment, upstream_status=upstream_status)
+        self.status = upstream_status
+        self.param = param
+        if upstream_code:
+            self.code = upstream_code
+
+
+class AllCandidatesFailedError(GatewayError):
+    code = "all_candidates_failed"
+
+    def __init__(self, errors: list[ProviderError]) -> None:  # in try order
+        super().__init__("; ".join(e.message for e in errors) or "no deployment could be tried")
+        self.errors = errors
+        kinds = {type(e) for e in errors}
+        if kinds == {ProviderTimeoutError}:
+            self.status, self.code = 504, "upstream_timeout"
+        elif kinds == {RateLimitedError}:
+            self.status, self.type, self.code = 429, "rate_limit_error", "rate_limit_exceeded"
+            waits = [e.retry_after_s for e in errors if isinstance(e, RateLimitedError)]
+            known = [w for w in waits if w is not None]
+            if known:
+                self.headers["retry-after"] = str(max(1, round(min(known))))
+        elif kinds == {ProviderUnavailableError}:
+            self.status, self.code = 503, "upstream_overloaded"
+        else:
+            self.status = 502
+        # The gateway already tried every candidate; SDK retries would multiply that.
+        self.headers["x-should-retry"] = "false"
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def openai_body(error: GatewayError) -> dict[str, object]:
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+
+
+def anthropic_body(error: GatewayError) -> dict[str, object]:
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def render(error: GatewayError, wire: Wire) -> bytes:
+    body = anthropic_body(error) if wire == "anthropic" else openai_body(error)
+    return orjson.dumps(body)
+
+
+def stream_error(error: GatewayError, wire: Wire) -> bytes:
+    """The SSE event that ends a stream whose status was already sent (never followed by [DONE])."""
+    if wire == "anthropic":
+        return frame(orjson.dumps(anthropic_body(error)), event="error")
+    return frame(orjson.dumps(openai_body(error)))
+
+
+class StreamInterruptedError(GatewayError):
+    """An upstream failed after the first byte reached the client."""
+
+    status, type, code = 502, "server_error", "upstream_stream_error"
+
+
+# --- scrubbing -----------------------------------------------------------------------------------
+
+_SECRET_PATTERNS = (
+    (re.compile(r"(?i)\b(bearer)\s+[^\s\"',;]+"), r"\1 ***"),
+    (re.compile(r"\b(sk|rk|pk)-[A-Za-z0-9_\-]{6,}"), r"\1-***"),
+    (
+        re.compile(r"(?i)\b(api[_-]?key|key|token|access_token|secret|signature|sig)=[^&\s\"']+"),
+        r"\1=***",
+    ),
+    (re.compile(r"(?i)(\"?(?:x-)?api-key\"?\s*[:=]\s*\"?)[^\s\"',;]+"), r"\1***"),
+)
+
+
+def scrub(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """Remove credentials from text that came from outside (upstream bodies, exception text)."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    for pattern, replacement in _SECRET_PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text

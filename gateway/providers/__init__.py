@@ -1,0 +1,31 @@
+"""Upstream adapters: one per wire protocol, behind the `Provider` seam in `base`."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+from gateway.config import Settings
+from gateway.models import Endpoint
+from gateway.providers.base import Provider
+
+
+async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str, Provider]:
+    """Build every configured provider; their HTTP clients close when `stack` does."""
+    from gateway.providers.http import HTTPProvider, make_client
+    from gateway.providers.simulated import SimulatedProvider
+
+    providers: dict[str, Provider] = {}
+    for name, spec in settings.providers.items():
+        if spec.type == "simulated":
+            providers[name] = SimulatedProvider(name, spec)
+        else:
+            client = await stack.enter_async_context(make_client(spec))
+            providers[name] = HTTPProvider(name, spec, client)
+    return providers
+
+
+def can_serve(provider: Provider, endpoint: Endpoint) -> bool:
+    """Whether a call to `endpoint` can go to `provider`, natively or translated."""
+    if endpoint in ("chat", "messages"):
+        return provider.wire == "anthropic" or provider.supports("chat")
+    return provider.supports(endpoint)

@@ -1,0 +1,326 @@
+"""The provider seam: open an upstream call, read normalized chunks, close it.
+
+An adapter translates every foreign failure (transport errors, error statuses, error bodies) into the
+`ProviderError` family here, at the edge that sees it. `ChunkStream` is shared by every adapter: it
+frames bytes into SSE events, classifies them with a wire decoder, and owns the upstream until its
+`aclose()`.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Protocol
+
+from gateway.errors import (
+    ProviderError,
+    ProviderRejectedError,
+    ProviderTimeoutError,
+    ProviderUnavailableError,
+    RateLimitedError,
+    scrub,
+)
+from gateway.models import Chunk, Endpoint, InBandError, SSEEvent, UpstreamRequest, Wire
+from gateway.providers.decode import (
+    AnthropicStreamDecoder,
+    OpenAIStreamDecoder,
+    UpstreamProtocolError,
+    anthropic_error,
+    decode_anthropic_body,
+    decode_openai_body,
+    openai_error,
+)
+from gateway.sse import SSEFramingError, SSEParser
+
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+MAX_ERROR_BYTES = 64 * 1024
+
+
+class UpstreamStream(Protocol):
+    """An open upstream response. Whoever opened it must `aclose()` it, on every path."""
+
+    status: int
+    upstream_request_id: str | None
+
+    async def read(self) -> list[Chunk] | None:
+        """The chunks of the next network read (possibly several events); None at the end.
+
+        Raises ProviderError (incl. ProviderTimeoutError) when the upstream fails or is garbled.
+        """
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class Provider(Protocol):
+    """One configured upstream (endpoint plus credentials). Borrows its client; owns nothing."""
+
+    name: str
+    wire: Wire
+    system: str  # gen_ai.provider.name
+    address: str | None  # server.address (None for in-process)
+    secrets: tuple[str, ...]
+
+    def supports(self, endpoint: Endpoint) -> bool: ...
+
+    async def open(self, deployment: str, request: UpstreamRequest) -> UpstreamStream:
+        """Send the request and return once the response headers are in (status 2xx).
+
+        Raises a ProviderError subclass for every failure; nothing needs closing then.
+        """
+        ...
+
+
+class Decoder(Protocol):
+    def decode(self, event: SSEEvent) -> Chunk: ...
+
+
+def stream_decoder(wire: Wire) -> Decoder:
+    return AnthropicStreamDecoder() if wire == "anthropic" else OpenAIStreamDecoder()
+
+
+def decode_body(wire: Wire, body: bytes) -> Chunk:
+    return decode_anthropic_body(body) if wire == "anthropic" else decode_openai_body(body)
+
+
+ByteSource = AsyncIterator[bytes]
+TranslateError = Callable[[BaseException], ProviderError | None]
+
+
+class ChunkStream:
+    """Turns an upstream byte source into chunks. `close` releases the upstream connection."""
+
+    __slots__ = (
+        "_body_read",
+        "_close",
+        "_closed",
+        "_decoder",
+        "_deployment",
+        "_parser",
+        "_source",
+        "_translate",
+        "_wire",
+        "status",
+        "streaming",
+        "upstream_request_id",
+    )
+
+    def __init__(
+        self,
+        *,
+        deployment: str,
+        wire: Wire,
+        streaming: bool,
+        source: ByteSource,
+        close: Callable[[], Awaitable[None]],
+        translate: TranslateError,
+        status: int = 200,
+        upstream_request_id: str | None = None,
+    ) -> None:
+        self._deployment = deployment
+        self._wire = wire
+        self.streaming = streaming
+        self._source = source
+        self._close = close
+        self._translate = translate
+        self._closed = False
+        self._body_read = False
+        self._parser = SSEParser()
+        self._decoder = stream_decoder(wire)
+        self.status = status
+        self.upstream_request_id = upstream_request_id
+
+    async def read(self) -> list[Chunk] | None:
+        if not self.streaming:
+            return await self._read_body()
+        while True:
+            data = await self._next_bytes()
+            if data is None:
+                if self._parser.pending.strip():
+                    raise ProviderError(
+                        "the stream ended in the middle of an event",
+                        deployment=self._deployment,
+                        kind="truncated",
+                    )
+                return None
+            try:
+                events = self._parser.feed(data)
+                if events:
+                    decode = self._decoder.decode
+                    return [decode(event) for event in events]
+            except (SSEFramingError, UpstreamProtocolError) as exc:
+                raise ProviderError(
+                    f"invalid stream from upstream: {scrub(str(exc))}",
+                    deployment=self._deployment,
+                    kind="invalid_response",
+                ) from None
+
+    async def _read_body(self) -> list[Chunk] | None:
+        if self._body_read:
+            return None
+        self._body_read = True
+        parts: list[bytes] = []
+        size = 0
+        while (data := await self._next_bytes()) is not None:
+            size += len(data)
+            if size > MAX_RESPONSE_BYTES:
+                raise ProviderError(
+                    f"response larger than {MAX_RESPONSE_BYTES} bytes",
+                    deployment=self._deployment,
+                    kind="invalid_response",
+                )
+            parts.append(data)
+        body = b"".join(parts)
+        try:
+            return [decode_body(self._wire, body)]
+        except UpstreamProtocolError as exc:
+            raise ProviderError(
+                f"invalid response from upstream: {scrub(str(exc))}",
+                deployment=self._deployment,
+                kind="invalid_response",
+            ) from None
+
+    async def _next_bytes(self) -> bytes | None:
+        try:
+            return await anext(self._source)
+        except StopAsyncIteration:
+            return None
+        except Exception as exc:
+            error = self._translate(exc)
+            if error is None:
+                raise
+            raise error from None
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            closer = getattr(self._source, "aclose", None)
+            if closer is not None:
+                await closer()
+        finally:
+            await self._close()
+
+
+# --- error statuses ------------------------------------------------------------------------------
+
+
+def parse_retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait, from `retry-after-ms` or `retry-after` (seconds or an HTTP date)."""
+    value = headers.get("retry-after-ms")
+    if value:
+        try:
+            return max(0.0, float(value) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def status_error(
+    *,
+    deployment: str,
+    wire: Wire,
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    secrets: tuple[str, ...] = (),
+) -> ProviderError:
+    """Map an upstream error response to the gateway's error vocabulary."""
+    parsed = anthropic_error(body) if wire == "anthropic" else openai_error(body)
+    if parsed is None and wire == "openai":
+        parsed = anthropic_error(body)
+    detail = scrub(parsed.message, secrets)[:500] if parsed else _snippet(body, secrets)
+    return _error_for(
+        deployment=deployment,
+        status=status,
+        detail=detail,
+        headers=headers,
+        param=None,
+        upstream_code=parsed.code if parsed else None,
+    )
+
+
+def inband_error(deployment: str, error: InBandError, secrets: tuple[str, ...] = ()) -> ProviderError:
+    """An error the upstream put inside a 200 response or stream, before anything was sent."""
+    status = error.status if error.status and 400 <= error.status <= 599 else 500
+    if error.type in ("overloaded_error",):
+        status = 529
+    elif error.type in ("rate_limit_error",):
+        status = 429
+    return _error_for(
+        deployment=deployment,
+        status=status,
+        detail=scrub(error.message, secrets)[:500],
+        headers={},
+        param=None,
+        upstream_code=error.code,
+        inband=True,
+    )
+
+
+def _error_for(
+    *,
+    deployment: str,
+    status: int,
+    detail: str,
+    headers: Mapping[str, str],
+    param: str | None,
+    upstream_code: str | None,
+    inband: bool = False,
+) -> ProviderError:
+    where = "in-band error" if inband else f"upstream returned {status}"
+    if status == 429:
+        return RateLimitedError(
+            f"{where}: {detail}",
+            deployment=deployment,
+            retry_after_s=parse_retry_after(headers),
+            kind="inband_error" if inband else "429",
+        )
+    if status in (400, 413, 422):
+        return ProviderRejectedError(
+            detail, deployment=deployment, upstream_status=status, param=param,
+            upstream_code=upstream_code if upstream_code and not upstream_code.isdigit() else None,
+        )
+    if status in (401, 403):
+        return ProviderError(
+            f"upstream rejected the gateway's credentials ({status}); check the provider's api_key",
+            deployment=deployment, upstream_status=status,
+        )
+    if status == 404:
+        return ProviderError(
+            f"upstream returned 404 (unknown model or path): {detail}",
+            deployment=deployment, upstream_status=status,
+        )
+    if status in (408, 504):
+        return ProviderTimeoutError(
+            f"{where}: {detail}", deployment=deployment, upstream_status=status
+        )
+    if status in (503, 529):
+        return ProviderUnavailableError(
+            f"{where}: {detail}", deployment=deployment, upstream_status=status,
+            kind="inband_error" if inband else None,
+        )
+    return ProviderError(
+        f"{where}: {detail}", deployment=deployment, upstream_status=status,
+        kind="inband_error" if inband else None,
+    )
+
+
+def _snippet(body: bytes, secrets: tuple[str, ...]) -> str:
+    text = body[:300].decode("utf-8", "replace").strip()
+    if text.lower().startswith(("<!doctype", "<html")):
+        return "an HTML page instead of an API response"
+    return scrub(" ".join(text.split()), secrets) or "no error body"

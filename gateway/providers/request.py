@@ -1,0 +1,115 @@
+"""Shape one client call for one provider: the upstream body and how to translate the answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.errors import InvalidRequestError
+from gateway.models import Call, Chunk, UpstreamRequest
+from gateway.providers.base import Provider
+from gateway.providers.translate import (
+    AnthropicToOpenAIStream,
+    OpenAIPassthrough,
+    OpenAIToAnthropicStream,
+    StreamTranslator,
+    TranslationError,
+    anthropic_response_to_openai,
+    chat_request_to_anthropic,
+    messages_request_to_openai,
+    openai_response_to_anthropic,
+)
+
+_STREAMED_WITH_USAGE = ("chat", "completions")
+
+
+class _Raw:
+    """Same wire on both sides: forward every event untouched."""
+
+    __slots__ = ()
+
+    def feed(self, chunk: Chunk) -> bytes:
+        return chunk.raw
+
+
+_RAW = _Raw()
+
+
+@dataclass(slots=True)
+class Prepared:
+    """The upstream request for one attempt, and how its answer reaches the client."""
+
+    request: UpstreamRequest
+    stream: StreamTranslator  # a fresh one per attempt: translators keep per-stream state
+    body: Callable[[Chunk], bytes]  # non-streaming response body in the client's wire format
+
+
+def _raw_body(chunk: Chunk) -> bytes:
+    return chunk.raw
+
+
+def prepare(call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]) -> Prepared:
+    """Raises InvalidRequestError when the call cannot be expressed in the provider's format."""
+    try:
+        return _prepare(call, provider, upstream_model, headers)
+    except TranslationError as exc:
+        raise InvalidRequestError(
+            f"{provider.name}/{upstream_model}: {exc}", param=exc.param
+        ) from None
+
+
+def _prepare(
+    call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]
+) -> Prepared:
+    stream = call.stream
+    if call.wire == provider.wire:
+        if call.wire == "openai":
+            translator: StreamTranslator = OpenAIPassthrough(include_usage=call.include_usage)
+            # Always ask for usage: token counts feed the latency statistics.
+            want_usage = stream and call.endpoint in _STREAMED_WITH_USAGE and not call.include_usage
+            if upstream_model == call.model and not want_usage:
+                body = call.raw
+            else:
+                changed: dict[str, Any] = {**call.body, "model": upstream_model}
+                if want_usage:
+                    changed["stream_options"] = {
+                        **(call.body.get("stream_options") or {}),
+                        "include_usage": True,
+                    }
+                body = orjson.dumps(changed)
+        else:
+            translator = _RAW
+            body = (
+                call.raw
+                if upstream_model == call.model
+                else orjson.dumps({**call.body, "model": upstream_model})
+            )
+        request = UpstreamRequest(call.endpoint, body, stream, headers)
+        return Prepared(request, translator, _raw_body)
+
+    if call.wire == "openai":  # OpenAI chat to an Anthropic upstream
+        translated = chat_request_to_anthropic(call.body)
+        translated["model"] = upstream_model
+        request = UpstreamRequest("messages", orjson.dumps(translated), stream, headers)
+
+        def to_openai(chunk: Chunk) -> bytes:
+            return anthropic_response_to_openai(chunk.data or {}, model=upstream_model)
+
+        return Prepared(
+            request,
+            AnthropicToOpenAIStream(model=upstream_model, include_usage=call.include_usage),
+            to_openai,
+        )
+
+    # Anthropic Messages to an OpenAI-compatible upstream
+    translated = messages_request_to_openai(call.body)
+    translated["model"] = upstream_model
+    request = UpstreamRequest("chat", orjson.dumps(translated), stream, headers)
+
+    def to_anthropic(chunk: Chunk) -> bytes:
+        return openai_response_to_anthropic(chunk.data or {}, model=upstream_model)
+
+    return Prepared(request, OpenAIToAnthropicStream(model=upstream_model), to_anthropic)

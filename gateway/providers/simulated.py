@@ -1,0 +1,83 @@
+"""The in-process simulated provider: the simulator's engine behind the provider seam.
+
+It speaks the OpenAI wire format and goes through the same framing and decoding as an HTTP
+upstream, so the gateway behaves the same whether the simulator runs in-process or as a server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Final
+
+from gateway.config import ProviderSpec
+from gateway.errors import ProviderError
+from gateway.models import Endpoint, UpstreamRequest, Wire
+from gateway.providers.base import ChunkStream, status_error
+from gateway.sim.engine import SimConnectionReset, SimEngine
+
+_PATHS: Final[dict[Endpoint, str]] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+
+
+class SimulatedProvider:
+    """Runs requests on an in-process `SimEngine` (no network, no keys)."""
+
+    wire: Wire = "openai"
+    system = "simulated"
+    address = None
+    secrets: tuple[str, ...] = ()
+
+    def __init__(self, name: str, spec: ProviderSpec) -> None:
+        self.name = name
+        self.engine = SimEngine(spec.profiles, spec.default_profile, seed=spec.seed)
+
+    def supports(self, endpoint: Endpoint) -> bool:
+        return endpoint in _PATHS
+
+    async def open(self, deployment: str, request: UpstreamRequest) -> ChunkStream:
+        try:
+            reply = await self.engine.handle("POST", _PATHS[request.endpoint], request.body)
+        except SimConnectionReset:
+            raise ProviderError(
+                "upstream connection failed (reset before headers)",
+                deployment=deployment,
+                kind="connection_error",
+            ) from None
+        if reply.status >= 300:
+            raise status_error(
+                deployment=deployment, wire="openai", status=reply.status,
+                headers=reply.headers, body=reply.body or b"",
+            )
+        source: AsyncIterator[bytes] = reply.stream if reply.stream is not None else _once(
+            reply.body or b""
+        )
+
+        def translate(exc: BaseException) -> ProviderError | None:
+            if isinstance(exc, SimConnectionReset):
+                return ProviderError(
+                    "upstream connection failed (reset mid-stream)",
+                    deployment=deployment,
+                    kind="connection_error",
+                )
+            return None
+
+        return ChunkStream(
+            deployment=deployment,
+            wire="openai",
+            streaming=reply.stream is not None,
+            source=source,
+            close=_nothing,
+            translate=translate,
+            status=reply.status,
+        )
+
+
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
+async def _nothing() -> None:
+    return None

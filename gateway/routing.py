@@ -1,0 +1,250 @@
+"""Routing: which deployments a call may go to, in what order, and the one attempt loop.
+
+`plan` is pure policy. `open_first` is the only place where fallback happens: it opens candidates
+in order until one produces its first content token (the commit point). Once it returns, bytes
+flow to the client and the choice is final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gateway.config import DeploymentSpec, ModelSpec, Settings
+from gateway.errors import (
+    AllCandidatesFailedError,
+    GatewayError,
+    InvalidRequestError,
+    ProviderError,
+    ProviderTimeoutError,
+)
+from gateway.latency import Recorder, Sample
+from gateway.models import Call, Chunk, Usage
+from gateway.providers import can_serve
+from gateway.providers.base import Provider, UpstreamStream, inband_error
+from gateway.providers.request import Prepared, prepare
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One deployment the call may be sent to, and the model name it serves under."""
+
+    model: str
+    deployment: DeploymentSpec
+    provider: Provider
+
+    @property
+    def id(self) -> str:
+        return self.deployment.id
+
+
+def weighted_order(deployments: Sequence[DeploymentSpec], rng: random.Random) -> list[DeploymentSpec]:
+    """A random order where a deployment's chance to come first is proportional to its weight."""
+    if len(deployments) < 2:
+        return list(deployments)
+    # Efraimidis-Spirakis: sort by u^(1/w), largest first.
+    keyed = sorted(((rng.random() ** (1.0 / d.weight), i) for i, d in enumerate(deployments)),
+                   reverse=True)
+    return [deployments[i] for _, i in keyed]
+
+
+def plan(
+    spec: ModelSpec,
+    settings: Settings,
+    providers: Mapping[str, Provider],
+    call: Call,
+    rng: random.Random,
+) -> list[Candidate]:
+    """The model's deployments (weighted), then each fallback's, skipping ones that cannot serve.
+
+    Raises InvalidRequestError when no configured deployment can serve this kind of call.
+    """
+    chain = [spec, *(m for name in spec.fallbacks if (m := settings.model(name)) is not None)]
+    candidates: list[Candidate] = []
+    for model in chain:
+        for deployment in weighted_order(model.deployments, rng):
+            provider = providers[deployment.provider]
+            if can_serve(provider, call.endpoint):
+                candidates.append(Candidate(model.name, deployment, provider))
+    if not candidates:
+        raise InvalidRequestError(
+            f"model {spec.name!r} has no deployment that serves {call.endpoint} requests",
+            param="model",
+        )
+    return candidates
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One upstream try, and why it ended (`won`, `error:429`, `ttft_deadline`, ...)."""
+
+    deployment: str
+    model: str
+    started: float
+    ended: float | None = None
+    outcome: str = "open"
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the committed stream carried, for statistics and telemetry."""
+
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    tokens: int = 0  # content events seen (output tokens when the upstream reports no usage)
+    usage: Usage = field(default_factory=Usage)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def add(self, chunk: Chunk, now: float) -> None:
+        if chunk.content:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.tokens += chunk.tokens or 1
+        if chunk.usage is not None:
+            if chunk.usage.input_tokens is not None:
+                self.usage.input_tokens = chunk.usage.input_tokens
+            if chunk.usage.output_tokens is not None:
+                self.usage.output_tokens = chunk.usage.output_tokens
+        if chunk.finish_reason is not None:
+            self.finish_reasons.append(chunk.finish_reason)
+
+    @property
+    def output_tokens(self) -> int:
+        return self.usage.output_tokens if self.usage.output_tokens is not None else self.tokens
+
+
+@dataclass(slots=True)
+class Opened:
+    """A committed attempt. The caller owns `stream` and must `aclose()` it."""
+
+    candidate: Candidate
+    stream: UpstreamStream
+    prepared: Prepared
+    head: list[bytes]  # translated bytes up to and including the committing event
+    pending: list[Chunk]  # events read in the same network read after the committing one
+    tally: Tally
+    attempts: list[Attempt]
+    started: float  # when this attempt was opened (perf_counter seconds)
+    ended: bool  # the upstream already finished (non-streaming, or a stream read to its end)
+    route: str  # primary | error_fallback | ttft_failover
+
+
+async def open_first(
+    call: Call,
+    candidates: Sequence[Candidate],
+    *,
+    headers: dict[str, str],
+    recorder: Recorder,
+    ttft_budget_s: float | None = None,
+) -> Opened:
+    """Open candidates in order until one commits; the only place fallback happens.
+
+    Raises the first non-retryable ProviderError, or AllCandidatesFailedError.
+    """
+    errors: list[ProviderError] = []
+    attempts: list[Attempt] = []
+    route = "primary"
+    loop_started = time.perf_counter()
+    for candidate in candidates:
+        started = time.perf_counter()
+        attempt = Attempt(candidate.id, candidate.model, started)
+        attempts.append(attempt)
+        prepared = prepare(call, candidate.provider, candidate.deployment.model, headers)
+        stream: UpstreamStream | None = None
+        try:
+            remaining = None
+            if ttft_budget_s is not None:
+                remaining = max(0.0, loop_started + ttft_budget_s - started)
+            try:
+                async with asyncio.timeout(remaining):
+                    stream = await candidate.provider.open(candidate.id, prepared.request)
+                    opened = await _until_first_token(candidate, stream, prepared)
+            except TimeoutError:
+                raise ProviderTimeoutError(
+                    f"no first token within the {round((ttft_budget_s or 0) * 1000)} ms budget",
+                    deployment=candidate.id,
+                    kind="ttft_deadline",
+                ) from None
+        except ProviderError as error:
+            attempt.ended = time.perf_counter()
+            attempt.outcome = (
+                "ttft_deadline" if error.kind == "ttft_deadline" else f"error:{error.kind}"
+            )
+            if stream is not None:
+                await stream.aclose()
+            recorder.record(
+                Sample(candidate.id, candidate.model, ok=False,
+                       total_s=attempt.ended - started, error=error.kind)
+            )
+            if not error.retryable:
+                raise
+            errors.append(error)
+            if route == "primary":
+                route = "ttft_failover" if error.kind == "ttft_deadline" else "error_fallback"
+            continue
+        except BaseException:
+            if stream is not None:
+                await stream.aclose()
+            raise
+        attempt.outcome = "won"
+        opened.attempts = attempts
+        opened.started = started
+        opened.route = route
+        return opened
+    raise AllCandidatesFailedError(errors)
+
+
+async def _until_first_token(
+    candidate: Candidate, stream: UpstreamStream, prepared: Prepared
+) -> Opened:
+    """Read until the first content token (or the end); raise on an in-band error before it."""
+    head: list[bytes] = []
+    tally = Tally()
+    translate = prepared.stream.feed if _is_streaming(stream) else prepared.body
+    while True:
+        batch = await stream.read()
+        if batch is None:
+            if tally.finish_reasons or not _is_streaming(stream):
+                # A complete answer without content (e.g. max_tokens=0) still commits.
+                return _opened(candidate, stream, prepared, head, [], tally, ended=True)
+            raise ProviderError(
+                "the stream ended before the first token",
+                deployment=candidate.id,
+                kind="truncated",
+            )
+        now = time.perf_counter()
+        for index, chunk in enumerate(batch):
+            if chunk.error is not None:
+                raise inband_error(candidate.id, chunk.error, candidate.provider.secrets)
+            tally.add(chunk, now)
+            head.append(translate(chunk))
+            if chunk.content or chunk.done or not _is_streaming(stream):
+                return _opened(
+                    candidate, stream, prepared, head, batch[index + 1 :], tally,
+                    ended=chunk.done or not _is_streaming(stream),
+                )
+
+
+def _is_streaming(stream: UpstreamStream) -> bool:
+    return getattr(stream, "streaming", True)
+
+
+def _opened(
+    candidate: Candidate,
+    stream: UpstreamStream,
+    prepared: Prepared,
+    head: list[bytes],
+    pending: list[Chunk],
+    tally: Tally,
+    *,
+    ended: bool,
+) -> Opened:
+    return Opened(candidate, stream, prepared, head, pending, tally, [], 0.0, ended, "primary")
+
+
+def is_gateway_error(exc: BaseException) -> bool:
+    return isinstance(exc, GatewayError)
