@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from gateway.config import DeploymentSpec, ModelSpec, Settings
 from gateway.errors import (
     AllCandidatesFailedError,
-    GatewayError,
     InvalidRequestError,
     ProviderError,
     ProviderTimeoutError,
@@ -26,6 +25,11 @@ from gateway.models import Call, Chunk, Usage
 from gateway.providers import can_serve
 from gateway.providers.base import Provider, UpstreamStream, inband_error
 from gateway.providers.request import Prepared, prepare
+
+
+NEXT_CANDIDATE_SHARE = 0.5
+"""Without latency statistics, an attempt that has a successor gets this share of the remaining
+TTFT budget; the successor gets the rest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +153,8 @@ async def open_first(
     attempts: list[Attempt] = []
     route = "primary"
     loop_started = time.perf_counter()
-    for candidate in candidates:
+    last = len(candidates) - 1
+    for index, candidate in enumerate(candidates):
         started = time.perf_counter()
         attempt = Attempt(candidate.id, candidate.model, started)
         attempts.append(attempt)
@@ -159,6 +164,9 @@ async def open_first(
             remaining = None
             if ttft_budget_s is not None:
                 remaining = max(0.0, loop_started + ttft_budget_s - started)
+                if index < last:
+                    # Leave the next candidate room to land inside the budget too.
+                    remaining *= NEXT_CANDIDATE_SHARE
             try:
                 async with asyncio.timeout(remaining):
                     stream = await candidate.provider.open(candidate.id, prepared.request)
@@ -245,6 +253,3 @@ def _opened(
 ) -> Opened:
     return Opened(candidate, stream, prepared, head, pending, tally, [], 0.0, ended, "primary")
 
-
-def is_gateway_error(exc: BaseException) -> bool:
-    return isinstance(exc, GatewayError)
