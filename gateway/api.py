@@ -109,7 +109,9 @@ def _wire_of(path: str) -> Wire:
 
 def error_response(error: GatewayError, wire: Wire) -> Response:
     return Response(
-        render(error, wire), status_code=error.status, headers=error.headers,
+        render(error, wire),
+        status_code=error.status,
+        headers=error.headers,
         media_type="application/json",
     )
 
@@ -129,8 +131,10 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    error = GatewayError(str(exc.detail), code={404: "not_found", 405: "method_not_allowed"}.get(
-        exc.status_code, "http_error"))
+    error = GatewayError(
+        str(exc.detail),
+        code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error"),
+    )
     error.status = exc.status_code
     error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(error, _wire_of(request.url.path))
@@ -183,10 +187,14 @@ async def proxy(request: Request, endpoint: Endpoint) -> Response:
     call.forward_headers = _forward_headers(request, call.request_id)
     candidates = plan(spec, services.settings, services.providers, call, services.rng)
     budget = spec.budget.ttft_ms if spec.on_ttft_miss != "none" else None
-    return ProxyResponse(services, call, candidates, scope["tailguard.t0"],
-                         ttft_budget_s=budget / 1000 if budget else None,
-                         total_budget_s=(spec.budget.total_ms / 1000
-                                         if spec.budget.total_ms else None))
+    return ProxyResponse(
+        services,
+        call,
+        candidates,
+        scope["tailguard.t0"],
+        ttft_budget_s=budget / 1000 if budget else None,
+        total_budget_s=(spec.budget.total_ms / 1000 if spec.budget.total_ms else None),
+    )
 
 
 class ProxyResponse(Response):
@@ -242,8 +250,11 @@ class ProxyResponse(Response):
         services = self._services
         try:
             opened = await open_first(
-                call, self._candidates, headers=call.forward_headers,
-                recorder=services.recorder, ttft_budget_s=self._ttft_budget_s,
+                call,
+                self._candidates,
+                headers=call.forward_headers,
+                recorder=services.recorder,
+                ttft_budget_s=self._ttft_budget_s,
             )
         except GatewayError as error:
             if isinstance(error, ProviderError) or error.status >= 500:
@@ -258,18 +269,17 @@ class ProxyResponse(Response):
         finally:
             await opened.stream.aclose()
 
-    def _headers(self, opened: Opened, content_type: bytes) -> list[tuple[bytes, bytes]]:
+    def _response_headers(self, opened: Opened, content_type: bytes) -> list[tuple[bytes, bytes]]:
         now = time.perf_counter()
         first = opened.attempts[0].started
         committed = opened.tally.first_token_at or now
         route_ms = (first - self._t0) * 1000
-        upstream_ms = (committed - first) * 1000
         overhead_ms = route_ms + (now - committed) * 1000
         timing = [f"route;dur={route_ms:.2f}"]
         for index, attempt in enumerate(opened.attempts):
             ended = attempt.ended or committed
             timing.append(
-                f'attempt{index + 1};dur={(ended - attempt.started) * 1000:.1f};'
+                f"attempt{index + 1};dur={(ended - attempt.started) * 1000:.1f};"
                 f'desc="{attempt.deployment} {attempt.outcome}"'
             )
         stage = "ttft" if self._call.stream else "upstream"
@@ -291,7 +301,7 @@ class ProxyResponse(Response):
 
     async def _respond(self, opened: Opened, send: Send) -> None:
         body = b"".join(opened.head)
-        headers = self._headers(opened, _JSON)
+        headers = self._response_headers(opened, _JSON)
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -299,15 +309,18 @@ class ProxyResponse(Response):
         tally = opened.tally
         self._services.recorder.record(
             Sample(
-                opened.candidate.id, opened.candidate.model, ok=True,
-                total_s=ended - opened.started, input_tokens=tally.usage.input_tokens,
+                opened.candidate.id,
+                opened.candidate.model,
+                ok=True,
+                total_s=ended - opened.started,
+                input_tokens=tally.usage.input_tokens,
                 output_tokens=tally.output_tokens,
             )
         )
 
     async def _relay(self, opened: Opened, send: Send) -> None:
         call = self._call
-        headers = self._headers(opened, _SSE)
+        headers = self._response_headers(opened, _SSE)
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         tally = opened.tally
@@ -350,7 +363,8 @@ class ProxyResponse(Response):
                     failure = ProviderTimeoutError(
                         f"{opened.candidate.id}: the total budget of "
                         f"{round((self._total_budget_s or 0) * 1000)} ms ran out mid-stream",
-                        deployment=opened.candidate.id, kind="total_deadline",
+                        deployment=opened.candidate.id,
+                        kind="total_deadline",
                     )
                     break
                 if batch is None:
@@ -365,14 +379,18 @@ class ProxyResponse(Response):
         if failure is not None:
             log.warning("request %s: stream cut: %s", call.request_id, failure.message)
             tally.finish_reasons.append("error")
-            await send({
-                "type": "http.response.body", "body": stream_error(failure, call.wire),
-                "more_body": False,
-            })
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": stream_error(failure, call.wire),
+                    "more_body": False,
+                }
+            )
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        self._record_stream(opened, ok=failure is None,
-                            error=failure.code if failure is not None else None)
+        self._record_stream(
+            opened, ok=failure is None, error=failure.code if failure is not None else None
+        )
 
     def _record_stream(self, opened: Opened, *, ok: bool, error: str | None) -> None:
         tally = opened.tally
@@ -384,9 +402,15 @@ class ProxyResponse(Response):
             tpot = (tally.last_token_at - tally.first_token_at) / (tokens - 1)
         self._services.recorder.record(
             Sample(
-                opened.candidate.id, opened.candidate.model, ok=ok,
-                total_s=ended - opened.started, ttft_s=ttft, tpot_s=tpot,
-                input_tokens=tally.usage.input_tokens, output_tokens=tokens, error=error,
+                opened.candidate.id,
+                opened.candidate.model,
+                ok=ok,
+                total_s=ended - opened.started,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                input_tokens=tally.usage.input_tokens,
+                output_tokens=tokens,
+                error=error,
             )
         )
 
@@ -455,8 +479,9 @@ def _add_routes(app: FastAPI) -> None:
             {"id": m.name, "object": "model", "created": created, "owned_by": "tailguard"}
             for m in services.settings.models
         ]
-        return Response(orjson.dumps({"object": "list", "data": data}),
-                        media_type="application/json")
+        return Response(
+            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
+        )
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -477,4 +502,3 @@ def _add_routes(app: FastAPI) -> None:
 def create_app_from_env() -> FastAPI:
     """App factory for `uvicorn --factory` and worker processes: loads `$TAILGUARD_CONFIG`."""
     return create_app(load_settings())
-

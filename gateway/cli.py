@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gateway.config import CONFIG_PATH_ENV, ConfigError, Settings, config_path, load_settings
@@ -34,14 +34,16 @@ def _load(config: Path | None) -> Settings:
     try:
         return load_settings(config)
     except ConfigError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(code=2) from None
 
 
 @app.command()
 def serve(
     config: ConfigOption = None,
-    host: Annotated[str | None, typer.Option(help="Interface to bind (overrides server.host).")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Interface to bind (overrides server.host).")
+    ] = None,
     port: Annotated[int | None, typer.Option(help="Port to bind (overrides server.port).")] = None,
     workers: Annotated[
         int | None, typer.Option(help="Worker processes (overrides server.workers).")
@@ -91,7 +93,7 @@ def check_config(config: ConfigOption = None) -> None:
         providers.add_column(column)
     for name, spec in settings.providers.items():
         key = "set (hidden)" if spec.api_key and spec.api_key.get_secret_value() else "-"
-        providers.add_row(name, spec.type, spec.base_url or "(in-process)", key)
+        providers.add_row(escape(name), spec.type, escape(spec.base_url or "(in-process)"), key)
     models = Table(title="Models", title_justify="left")
     for column in ("model", "deployments", "budget", "fallbacks", "on_ttft_miss"):
         models.add_column(column)
@@ -106,7 +108,10 @@ def check_config(config: ConfigOption = None) -> None:
             if v is not None
         )
         models.add_row(
-            model.name, deployments, budget or "-", ", ".join(model.fallbacks) or "-",
+            escape(model.name),
+            escape(deployments),
+            budget or "-",
+            ", ".join(model.fallbacks) or "-",
             model.on_ttft_miss,
         )
     out.print(providers)
@@ -169,4 +174,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

@@ -285,7 +285,9 @@ def resolve_env(value: Any, environ: Mapping[str, str], path: str = "") -> Any:
     if isinstance(value, dict):
         return {k: resolve_env(v, environ, _join(path, k)) for k, v in value.items()}
     if isinstance(value, list):
-        return [resolve_env(v, environ, _join(path, _item_label(v, i))) for i, v in enumerate(value)]
+        return [
+            resolve_env(v, environ, _join(path, _item_label(v, i))) for i, v in enumerate(value)
+        ]
     return value
 
 

@@ -26,7 +26,6 @@ from gateway.providers import can_serve
 from gateway.providers.base import Provider, UpstreamStream, inband_error
 from gateway.providers.request import Prepared, prepare
 
-
 NEXT_CANDIDATE_SHARE = 0.5
 """Without latency statistics, an attempt that has a successor gets this share of the remaining
 TTFT budget; the successor gets the rest."""
@@ -45,13 +44,16 @@ class Candidate:
         return self.deployment.id
 
 
-def weighted_order(deployments: Sequence[DeploymentSpec], rng: random.Random) -> list[DeploymentSpec]:
+def weighted_order(
+    deployments: Sequence[DeploymentSpec], rng: random.Random
+) -> list[DeploymentSpec]:
     """A random order where a deployment's chance to come first is proportional to its weight."""
     if len(deployments) < 2:
         return list(deployments)
     # Efraimidis-Spirakis: sort by u^(1/w), largest first.
-    keyed = sorted(((rng.random() ** (1.0 / d.weight), i) for i, d in enumerate(deployments)),
-                   reverse=True)
+    keyed = sorted(
+        ((rng.random() ** (1.0 / d.weight), i) for i, d in enumerate(deployments)), reverse=True
+    )
     return [deployments[i] for _, i in keyed]
 
 
@@ -185,8 +187,13 @@ async def open_first(
             if stream is not None:
                 await stream.aclose()
             recorder.record(
-                Sample(candidate.id, candidate.model, ok=False,
-                       total_s=attempt.ended - started, error=error.kind)
+                Sample(
+                    candidate.id,
+                    candidate.model,
+                    ok=False,
+                    total_s=attempt.ended - started,
+                    error=error.kind,
+                )
             )
             if not error.retryable:
                 raise
@@ -232,7 +239,12 @@ async def _until_first_token(
             head.append(translate(chunk))
             if chunk.content or chunk.done or not _is_streaming(stream):
                 return _opened(
-                    candidate, stream, prepared, head, batch[index + 1 :], tally,
+                    candidate,
+                    stream,
+                    prepared,
+                    head,
+                    batch[index + 1 :],
+                    tally,
                     ended=chunk.done or not _is_streaming(stream),
                 )
 
@@ -252,4 +264,3 @@ def _opened(
     ended: bool,
 ) -> Opened:
     return Opened(candidate, stream, prepared, head, pending, tally, [], 0.0, ended, "primary")
-

@@ -23,13 +23,10 @@ _TYPE_NAMES: Final[dict[type, str]] = {
 }
 
 
-def _got(value: object) -> str:
-    return _TYPE_NAMES.get(type(value), type(value).__name__).split(" ", 1)[-1]
-
-
 def _invalid_type(param: str, expected: str, value: object) -> InvalidRequestError:
+    got = _TYPE_NAMES.get(type(value), "a value")
     return InvalidRequestError(
-        f"Invalid type for '{param}': expected {expected}, but got {_TYPE_NAMES.get(type(value), 'a value')} instead.",
+        f"Invalid type for '{param}': expected {expected}, but got {got} instead.",
         param=param,
         code="invalid_type",
     )
@@ -106,9 +103,7 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
             code="invalid_json",
         ) from None
     if not isinstance(body, dict):
-        raise InvalidRequestError(
-            "The request body must be a JSON object.", code="invalid_type"
-        )
+        raise InvalidRequestError("The request body must be a JSON object.", code="invalid_type")
     model = body.get("model")
     if model is None:
         raise _missing("model")

@@ -34,7 +34,7 @@ async def serve(app: Any) -> AsyncIterator[str]:
             if task.done():  # start-up failed: surface the reason
                 task.result()
                 raise RuntimeError("server stopped during start-up")
-            await asyncio.sleep(0.002)  # noqa: ASYNC110 - uvicorn exposes only a flag
+            await asyncio.sleep(0.002)
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True

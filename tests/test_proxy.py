@@ -55,8 +55,10 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 async def test_stream_reaches_client_while_upstream_still_generates(
     upstream: Upstream, client: httpx.AsyncClient
 ) -> None:
-    """The first content token is forwarded while the upstream stream is still open (no buffering)."""
-    async with run_gateway(one_model(upstream.base_url, "m@tokens_per_s=20,output_tokens=10")) as gw:
+    """The first content token is forwarded while the upstream is still streaming (no buffering)."""
+    async with run_gateway(
+        one_model(upstream.base_url, "m@tokens_per_s=20,output_tokens=10")
+    ) as gw:
         request = chat(stream=True)
         async with client.stream("POST", gw.base_url + "/chat/completions", json=request) as resp:
             assert resp.status_code == 200
@@ -76,12 +78,16 @@ async def test_stream_headers_report_the_decision(
     upstream: Upstream, client: httpx.AsyncClient
 ) -> None:
     """A served stream names model, deployment, route, attempts, overhead and server timing."""
-    async with run_gateway(one_model(upstream.base_url)) as gw:
-        async with client.stream(
-            "POST", gw.base_url + "/chat/completions", json=chat(stream=True),
+    async with (
+        run_gateway(one_model(upstream.base_url)) as gw,
+        client.stream(
+            "POST",
+            gw.base_url + "/chat/completions",
+            json=chat(stream=True),
             headers={"x-request-id": "abc-123"},
-        ) as resp:
-            await resp.aread()
+        ) as resp,
+    ):
+        await resp.aread()
     assert resp.headers["x-tailguard-model"] == "m"
     assert resp.headers["x-tailguard-deployment"] == "up/m"
     assert resp.headers["x-tailguard-route"] == "primary"
@@ -114,11 +120,13 @@ async def test_cut_stream_ends_with_error_event_not_done(
     upstream: Upstream, client: httpx.AsyncClient
 ) -> None:
     """An upstream failure after the first byte ends the stream with an error event, no [DONE]."""
-    async with run_gateway(one_model(upstream.base_url, "m@cut_rate=1,output_tokens=10")) as gw:
-        async with client.stream(
-            "POST", gw.base_url + "/chat/completions", json=chat(stream=True)
-        ) as resp:
-            lines = await sse_lines(resp)
+    settings = one_model(upstream.base_url, "m@cut_rate=1,output_tokens=10")
+    url = "/chat/completions"
+    async with (
+        run_gateway(settings) as gw,
+        client.stream("POST", gw.base_url + url, json=chat(stream=True)) as resp,
+    ):
+        lines = await sse_lines(resp)
     assert resp.status_code == 200
     assert contents(lines)  # some tokens made it before the cut
     assert "data: [DONE]" not in lines
@@ -133,11 +141,11 @@ async def test_recorder_gets_ttft_tpot_and_tokens(
     upstream: Upstream, client: httpx.AsyncClient
 ) -> None:
     """Each finished stream hands TTFT, TPOT, total time and token counts to the recorder."""
-    async with run_gateway(one_model(upstream.base_url, "m@tokens_per_s=100,output_tokens=6")) as gw:
-        async with client.stream(
-            "POST", gw.base_url + "/chat/completions", json=chat(stream=True)
-        ) as resp:
-            await resp.aread()
+    async with (
+        run_gateway(one_model(upstream.base_url, "m@tokens_per_s=100,output_tokens=6")) as gw,
+        client.stream("POST", gw.base_url + "/chat/completions", json=chat(stream=True)) as resp,
+    ):
+        await resp.aread()
     sample = only_sample(gw)
     assert sample.ok
     assert sample.output_tokens == 6
@@ -222,7 +230,9 @@ async def test_bad_requests_get_openai_shaped_400s(
             (orjson.dumps([1, 2]), None, "invalid_type"),
         ]
         for body, param, code in cases:
-            resp = await client.post(url, content=body, headers={"content-type": "application/json"})
+            resp = await client.post(
+                url, content=body, headers={"content-type": "application/json"}
+            )
             error = resp.json()["error"]
             assert (resp.status_code, error["param"], error["code"]) == (400, param, code), body
             assert error["type"] == "invalid_request_error"
@@ -288,7 +298,7 @@ async def test_unknown_route_and_method_are_openai_shaped(
 async def test_request_id_is_generated_and_honoured(
     upstream: Upstream, client: httpx.AsyncClient
 ) -> None:
-    """Every response carries x-request-id; a well-formed incoming one is kept, a bad one replaced."""
+    """Every response carries x-request-id; a valid incoming one is kept, a bad one replaced."""
     async with run_gateway(one_model(upstream.base_url)) as gw:
         plain = await client.get(gw.url + "/healthz")
         kept = await client.post(
@@ -331,10 +341,18 @@ class Scripted:
     ("status", "body", "expected_status", "expected_message"),
     [
         # vLLM's old flat error shape, and its newer wrapped one: the client's request is bad.
-        (400, b'{"object":"error","message":"too long","type":"BadRequestError","code":400}',
-         400, "too long"),
-        (400, b'{"error":{"message":"bad temp","type":"BadRequestError","param":null,"code":400}}',
-         400, "bad temp"),
+        (
+            400,
+            b'{"object":"error","message":"too long","type":"BadRequestError","code":400}',
+            400,
+            "too long",
+        ),
+        (
+            400,
+            b'{"error":{"message":"bad temp","type":"BadRequestError","param":null,"code":400}}',
+            400,
+            "bad temp",
+        ),
         (422, b'{"detail":"nope"}', 422, "nope"),
         # Our configuration's fault: a 502 naming the deployment.
         (401, b'{"error":{"message":"Incorrect API key sk-abcdef123456"}}', 502, "credentials"),
@@ -343,7 +361,10 @@ class Scripted:
     ],
 )
 async def test_upstream_error_statuses_are_mapped(
-    client: httpx.AsyncClient, status: int, body: bytes, expected_status: int,
+    client: httpx.AsyncClient,
+    status: int,
+    body: bytes,
+    expected_status: int,
     expected_message: str,
 ) -> None:
     """Upstream errors reach the client with the right status, in the OpenAI shape, no secrets."""
@@ -364,9 +385,14 @@ async def test_upstream_gets_request_id_and_traceparent(client: httpx.AsyncClien
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     async with serve(fake) as url, run_gateway(one_model(url + "/v1")) as gw:
         resp = await client.post(
-            gw.base_url + "/chat/completions", json=chat(),
-            headers={"x-request-id": "r-1", "traceparent": traceparent,
-                     "authorization": "Bearer client-secret", "baggage": "user=alice"},
+            gw.base_url + "/chat/completions",
+            json=chat(),
+            headers={
+                "x-request-id": "r-1",
+                "traceparent": traceparent,
+                "authorization": "Bearer client-secret",
+                "baggage": "user=alice",
+            },
         )
     assert resp.status_code == 200
     sent = fake.requests[0]
@@ -405,9 +431,16 @@ async def test_upstream_timeout_is_504(upstream: Upstream, client: httpx.AsyncCl
 def two_deployments(upstream: Upstream, first: str, second: str = "ok", **model: Any) -> Any:
     return gateway_settings(
         {"up": {"type": "vllm", "base_url": upstream.base_url}},
-        [{"name": "m", "deployments": [{"provider": "up", "model": first, "weight": 1e9},
-                                       {"provider": "up", "model": second, "weight": 1e-9}],
-          **model}],
+        [
+            {
+                "name": "m",
+                "deployments": [
+                    {"provider": "up", "model": first, "weight": 1e9},
+                    {"provider": "up", "model": second, "weight": 1e-9},
+                ],
+                **model,
+            }
+        ],
     )
 
 
@@ -486,8 +519,11 @@ async def test_fallback_model_serves_when_primary_model_fails(
     settings = gateway_settings(
         {"up": {"type": "vllm", "base_url": upstream.base_url}},
         [
-            {"name": "big", "deployments": [{"provider": "up", "model": "x@error_500_rate=1"}],
-             "fallbacks": ["small"]},
+            {
+                "name": "big",
+                "deployments": [{"provider": "up", "model": "x@error_500_rate=1"}],
+                "fallbacks": ["small"],
+            },
             {"name": "small", "deployments": [{"provider": "up", "model": "small"}]},
         ],
     )

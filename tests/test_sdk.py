@@ -121,14 +121,16 @@ async def test_errors_become_sdk_exceptions(client: openai.AsyncOpenAI) -> None:
 async def test_default_config_serves_every_model() -> None:
     """The embedded default config (what `make run` serves) answers on all its models."""
     settings = load_settings("config/gateway.yaml")
-    async with run_gateway(settings) as gw:
-        async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused") as sdk:
-            names = [model.id async for model in sdk.models.list()]
-            assert {"chat-fast", "chat-large", "embed"} <= set(names)
-            stream = await sdk.chat.completions.create(
-                model="chat-fast", messages=MESSAGES, max_tokens=3, stream=True
-            )
-            texts = [c.choices[0].delta.content async for c in stream if c.choices]
-            assert "".join(t for t in texts if t)
-            embedding = await sdk.embeddings.create(model="embed", input="hello")
-            assert len(embedding.data[0].embedding) == 256
+    async with (
+        run_gateway(settings) as gw,
+        openai.AsyncOpenAI(base_url=gw.base_url, api_key="unused") as sdk,
+    ):
+        names = [model.id async for model in sdk.models.list()]
+        assert {"chat-fast", "chat-large", "embed"} <= set(names)
+        stream = await sdk.chat.completions.create(
+            model="chat-fast", messages=MESSAGES, max_tokens=3, stream=True
+        )
+        texts = [c.choices[0].delta.content async for c in stream if c.choices]
+        assert "".join(t for t in texts if t)
+        embedding = await sdk.embeddings.create(model="embed", input="hello")
+        assert len(embedding.data[0].embedding) == 256

@@ -1,9 +1,9 @@
 """The provider seam: open an upstream call, read normalized chunks, close it.
 
-An adapter translates every foreign failure (transport errors, error statuses, error bodies) into the
-`ProviderError` family here, at the edge that sees it. `ChunkStream` is shared by every adapter: it
-frames bytes into SSE events, classifies them with a wire decoder, and owns the upstream until its
-`aclose()`.
+An adapter translates every foreign failure (transport errors, error statuses, error bodies) into
+the `ProviderError` family here, at the edge that sees it. `ChunkStream` is shared by every
+adapter: it frames bytes into SSE events, classifies them with a wire decoder, and owns the
+upstream until its `aclose()`.
 """
 
 from __future__ import annotations
@@ -253,7 +253,9 @@ def status_error(
     )
 
 
-def inband_error(deployment: str, error: InBandError, secrets: tuple[str, ...] = ()) -> ProviderError:
+def inband_error(
+    deployment: str, error: InBandError, secrets: tuple[str, ...] = ()
+) -> ProviderError:
     """An error the upstream put inside a 200 response or stream, before anything was sent."""
     status = error.status if error.status and 400 <= error.status <= 599 else 500
     if error.type in ("overloaded_error",):
@@ -291,18 +293,23 @@ def _error_for(
         )
     if status in (400, 413, 422):
         return ProviderRejectedError(
-            detail, deployment=deployment, upstream_status=status, param=param,
+            detail,
+            deployment=deployment,
+            upstream_status=status,
+            param=param,
             upstream_code=upstream_code if upstream_code and not upstream_code.isdigit() else None,
         )
     if status in (401, 403):
         return ProviderError(
             f"upstream rejected the gateway's credentials ({status}); check the provider's api_key",
-            deployment=deployment, upstream_status=status,
+            deployment=deployment,
+            upstream_status=status,
         )
     if status == 404:
         return ProviderError(
             f"upstream returned 404 (unknown model or path): {detail}",
-            deployment=deployment, upstream_status=status,
+            deployment=deployment,
+            upstream_status=status,
         )
     if status in (408, 504):
         return ProviderTimeoutError(
@@ -310,11 +317,15 @@ def _error_for(
         )
     if status in (503, 529):
         return ProviderUnavailableError(
-            f"{where}: {detail}", deployment=deployment, upstream_status=status,
+            f"{where}: {detail}",
+            deployment=deployment,
+            upstream_status=status,
             kind="inband_error" if inband else None,
         )
     return ProviderError(
-        f"{where}: {detail}", deployment=deployment, upstream_status=status,
+        f"{where}: {detail}",
+        deployment=deployment,
+        upstream_status=status,
         kind="inband_error" if inband else None,
     )
 

@@ -63,10 +63,12 @@ def translate_transport_error(deployment: str, exc: BaseException) -> ProviderEr
     )
     name = type(cause).__name__ if cause is not None else type(exc).__name__
     if timed_out:
-        return ProviderTimeoutError(f"upstream timed out ({name})", deployment=deployment,
-                                    kind="timeout")
-    return ProviderError(f"upstream connection failed ({name})", deployment=deployment,
-                         kind="connection_error")
+        return ProviderTimeoutError(
+            f"upstream timed out ({name})", deployment=deployment, kind="timeout"
+        )
+    return ProviderError(
+        f"upstream connection failed ({name})", deployment=deployment, kind="connection_error"
+    )
 
 
 class HTTPProvider:
@@ -106,13 +108,17 @@ class HTTPProvider:
         if request.stream:
             headers["accept-encoding"] = "identity"
         outgoing = self._client.build_request(
-            "POST", self._base + self._paths[request.endpoint], content=request.body,
+            "POST",
+            self._base + self._paths[request.endpoint],
+            content=request.body,
             headers=headers,
         )
         try:
             response = await self._client.send(outgoing, stream=True)
         except httpx.TransportError as exc:
-            raise self._error(deployment, exc) from None
+            error = self._error(deployment, exc)
+            assert error is not None  # every TransportError translates
+            raise error from None
         if response.status_code >= 300:
             try:
                 body = await _read_limited(response, MAX_ERROR_BYTES)
@@ -121,8 +127,12 @@ class HTTPProvider:
             finally:
                 await response.aclose()
             raise status_error(
-                deployment=deployment, wire=self.wire, status=response.status_code,
-                headers=response.headers, body=body, secrets=self.secrets,
+                deployment=deployment,
+                wire=self.wire,
+                status=response.status_code,
+                headers=response.headers,
+                body=body,
+                secrets=self.secrets,
             )
         streaming = request.stream and "text/event-stream" in response.headers.get(
             "content-type", ""

@@ -51,7 +51,9 @@ def _raw_body(chunk: Chunk) -> bytes:
     return chunk.raw
 
 
-def prepare(call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]) -> Prepared:
+def prepare(
+    call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]
+) -> Prepared:
     """Raises InvalidRequestError when the call cannot be expressed in the provider's format."""
     try:
         return _prepare(call, provider, upstream_model, headers)

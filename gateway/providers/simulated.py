@@ -27,7 +27,7 @@ class SimulatedProvider:
 
     wire: Wire = "openai"
     system = "simulated"
-    address = None
+    address: str | None = None
     secrets: tuple[str, ...] = ()
 
     def __init__(self, name: str, spec: ProviderSpec) -> None:
@@ -48,11 +48,14 @@ class SimulatedProvider:
             ) from None
         if reply.status >= 300:
             raise status_error(
-                deployment=deployment, wire="openai", status=reply.status,
-                headers=reply.headers, body=reply.body or b"",
+                deployment=deployment,
+                wire="openai",
+                status=reply.status,
+                headers=reply.headers,
+                body=reply.body or b"",
             )
-        source: AsyncIterator[bytes] = reply.stream if reply.stream is not None else _once(
-            reply.body or b""
+        source: AsyncIterator[bytes] = (
+            reply.stream if reply.stream is not None else _once(reply.body or b"")
         )
 
         def translate(exc: BaseException) -> ProviderError | None:
