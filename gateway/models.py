@@ -63,9 +63,9 @@ class Chunk:
     `raw` holds the bytes to forward to the client, already in the client's wire format (a
     translator may rewrite or empty it). `content` is true when the event carries generated
     output: text, tool-call name or arguments, reasoning text, or an embedding vector. Role-only
-    chunks, empty deltas, keep-alives, `message_start` and `content_block_start` are not content. `done` marks the
-    terminal event (`data: [DONE]` or Anthropic `message_stop`), which carries no content. For a
-    non-streaming response there is exactly one chunk whose `raw` is the whole body.
+    chunks, empty deltas, keep-alives, `message_start` and `content_block_start` are not content.
+    `done` marks the terminal event (`data: [DONE]` or Anthropic `message_stop`), which carries no
+    content. For a non-streaming response there is exactly one chunk whose `raw` is the whole body.
     """
 
     raw: bytes
