@@ -143,9 +143,7 @@ def sim(
     ] = None,
 ) -> None:
     """Run the simulated OpenAI-compatible LLM server (prefill, decode, batching, faults)."""
-    from pydantic import ValidationError
-
-    from gateway.sim.engine import SimEngine, SimProfile, parse_overrides
+    from gateway.sim.engine import SimEngine, SimProfile, apply_overrides
     from gateway.sim.server import load_profiles, run_sim
 
     profiles: dict[str, SimProfile] = {}
@@ -159,9 +157,8 @@ def sim(
             raise typer.Exit(code=2) from None
     if set_:
         try:
-            default = default.model_copy(update=parse_overrides(",".join(set_)))
-            default = SimProfile.model_validate(default.model_dump())
-        except (ValueError, ValidationError) as exc:
+            default = apply_overrides(default, ",".join(set_))
+        except ValueError as exc:
             err.print(f"error: --set: {exc}", highlight=False, markup=False)
             raise typer.Exit(code=2) from None
     engine = SimEngine(profiles, default, seed=seed if seed is not None else file_seed)

@@ -1,0 +1,399 @@
+"""Classify upstream responses: one `Chunk` per stream event or non-streaming body.
+
+This is the hot path of every stream, so each event is parsed once with orjson and then only
+inspected: the `Chunk` carries the parsed dict along, and translators reuse it instead of parsing
+again. Anything that is not a valid response in the upstream's wire format raises
+`UpstreamProtocolError`; errors the upstream reports in a well-formed body become `InBandError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import orjson
+
+from gateway.models import Chunk, InBandError, SSEEvent, Usage
+
+_DONE: Final = b"[DONE]"
+_SNIPPET_BYTES: Final = 200
+
+# Anthropic error types and the HTTP status that comes with each (Anthropic's errors page).
+ANTHROPIC_ERROR_STATUS: Final[dict[str, int]] = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "billing_error": 402,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "timeout_error": 504,
+    "overloaded_error": 529,
+}
+
+
+class UpstreamProtocolError(ValueError):
+    """The upstream sent bytes that are not a valid response in its wire format (non-JSON data,
+    HTML, ...)."""
+
+
+def _snippet(data: bytes) -> str:
+    text = data[:_SNIPPET_BYTES].decode("utf-8", "replace")
+    return text + "..." if len(data) > _SNIPPET_BYTES else text
+
+
+def _parse_object(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise UpstreamProtocolError(f"{what} is not JSON: {_snippet(data)!r}") from None
+    if not isinstance(parsed, dict):
+        raise UpstreamProtocolError(f"{what} is not a JSON object: {_snippet(data)!r}")
+    return parsed
+
+
+def _int(value: object) -> int | None:
+    return value if type(value) is int else None  # bool is not a token count
+
+
+def _str(value: object) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
+# --- OpenAI-compatible ---------------------------------------------------------------------------
+
+
+def _openai_usage(usage: dict[str, Any]) -> Usage:
+    return Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+
+
+def _error_from_fields(fields: dict[str, Any], default_message: str) -> InBandError:
+    """OpenAI `{"message", "type", "code"}`, vLLM's int `code` (the HTTP status) included."""
+    code = fields.get("code")
+    status = _int(fields.get("status"))
+    if _int(code) is not None:
+        # vLLM puts the HTTP status in `code`; it is not an OpenAI error code.
+        status = status or code
+        code = None
+    message = fields.get("message")
+    return InBandError(
+        message=_str(message) or default_message,
+        type=_str(fields.get("type")) or "server_error",
+        code=_str(code),
+        status=status,
+    )
+
+
+def _openai_error_object(obj: dict[str, Any]) -> InBandError | None:
+    """Error shapes that may also arrive with a 200: `{"error": ...}` and old vLLM's flat one."""
+    error = obj.get("error")
+    if error is not None:
+        if isinstance(error, dict):
+            return _error_from_fields(error, "upstream error")
+        # Some servers (TGI, llama.cpp, vLLM's auth check) send `{"error": "text"}`.
+        return InBandError(
+            message=_str(error) or "upstream error",
+            type=_str(obj.get("error_type")) or "server_error",
+            status=_int(obj.get("status")),
+        )
+    if obj.get("object") == "error":
+        return _error_from_fields(obj, "upstream error")
+    return None
+
+
+def _delta_has_content(delta: dict[str, Any]) -> bool:
+    if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+        return True
+    if delta.get("refusal"):
+        return True
+    tool_calls = delta.get("tool_calls")
+    if tool_calls:
+        for call in tool_calls:
+            function = call.get("function")
+            if function and (function.get("name") or function.get("arguments")):
+                return True
+    function_call = delta.get("function_call")  # the deprecated single-function form
+    if function_call and (function_call.get("name") or function_call.get("arguments")):
+        return True
+    audio = delta.get("audio")
+    return bool(audio and (audio.get("data") or audio.get("transcript")))
+
+
+def _message_has_content(message: dict[str, Any]) -> bool:
+    return bool(
+        message.get("content")
+        or message.get("tool_calls")
+        or message.get("function_call")
+        or message.get("refusal")
+        or message.get("reasoning_content")
+        or message.get("reasoning")
+        or message.get("audio")
+    )
+
+
+class OpenAIStreamDecoder:
+    """Classify the SSE events of an OpenAI-compatible chat or completions stream (incl. vLLM)."""
+
+    __slots__ = ()
+
+    def decode(self, event: SSEEvent) -> Chunk:
+        """One chunk per event; raises UpstreamProtocolError for data that is not a JSON object."""
+        data = event.data
+        if not data:
+            return Chunk(raw=event.raw)  # a keep-alive comment or an empty event
+        if data == _DONE:
+            return Chunk(raw=event.raw, done=True)
+        obj = _parse_object(data, "stream event")
+        try:
+            return _openai_stream_chunk(event, obj)
+        except (AttributeError, KeyError, TypeError):
+            raise UpstreamProtocolError(f"malformed stream event: {_snippet(data)!r}") from None
+
+
+def _openai_stream_chunk(event: SSEEvent, obj: dict[str, Any]) -> Chunk:
+    error = _openai_error_object(obj)
+    if error is None and event.event == "error":  # openai-python treats this event as an error
+        error = _error_from_fields(obj, "upstream error")
+    if error is not None:
+        return Chunk(raw=event.raw, data=obj, error=error)
+    tokens = 0
+    finish_reason = None
+    choices = obj.get("choices")
+    if choices:
+        for choice in choices:
+            delta = choice.get("delta")
+            if delta is not None:
+                if _delta_has_content(delta):
+                    tokens += 1
+            elif choice.get("text"):  # a completions chunk
+                tokens += 1
+            if finish_reason is None:
+                finish_reason = choice.get("finish_reason")
+    usage = obj.get("usage")
+    return Chunk(
+        raw=event.raw,
+        data=obj,
+        content=tokens > 0,
+        tokens=tokens,
+        finish_reason=finish_reason,
+        usage=_openai_usage(usage) if usage else None,
+    )
+
+
+def decode_openai_body(body: bytes) -> Chunk:
+    """Classify a non-streaming chat, completions or embeddings response.
+
+    Raises UpstreamProtocolError for a body that is not JSON (an HTML page from a load balancer)
+    or not one of those responses.
+    """
+    obj = _parse_object(body, "response body")
+    try:
+        error = _openai_error_object(obj)
+        if error is not None:
+            return Chunk(raw=body, data=obj, error=error)
+        usage_fields = obj.get("usage")
+        usage = _openai_usage(usage_fields) if usage_fields else None
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            with_content = 0
+            finish_reason = None
+            for choice in choices:
+                message = choice.get("message")
+                if message is not None:
+                    if _message_has_content(message):
+                        with_content += 1
+                elif choice.get("text"):
+                    with_content += 1
+                if finish_reason is None:
+                    finish_reason = choice.get("finish_reason")
+            known = usage.output_tokens if usage is not None else None
+            return Chunk(
+                raw=body,
+                data=obj,
+                content=with_content > 0,
+                tokens=known if known is not None else with_content,
+                finish_reason=finish_reason,
+                usage=usage,
+            )
+        data = obj.get("data")
+        if isinstance(data, list):  # embeddings: {"object": "list", "data": [...]}
+            return Chunk(raw=body, data=obj, content=bool(data), usage=usage)
+    except (AttributeError, KeyError, TypeError):
+        pass
+    raise UpstreamProtocolError(f"not an OpenAI response: {_snippet(body)!r}")
+
+
+def openai_error(body: bytes) -> InBandError | None:
+    """Parse an error body in any shape an OpenAI-compatible server sends; None if it is not one.
+
+    Shapes: OpenAI `{"error": {...}}`, new vLLM (same, with the HTTP status as int `code`), old
+    vLLM `{"object": "error", ...}`, `{"error": "text"}`, FastAPI `{"detail": ...}` and a bare
+    `{"message": ...}`. Never raises.
+    """
+    try:
+        obj = orjson.loads(body)
+        if not isinstance(obj, dict):
+            return None
+        error = _openai_error_object(obj)
+        if error is not None:
+            return error
+        detail = obj.get("detail")
+        if isinstance(detail, str):
+            return InBandError(message=detail, type="invalid_request_error")
+        if isinstance(detail, list) and detail:  # FastAPI validation errors
+            first = detail[0]
+            text = first.get("msg") if isinstance(first, dict) else None
+            return InBandError(
+                message=_str(text) or str(detail)[:500], type="invalid_request_error"
+            )
+        message = obj.get("message")
+        if isinstance(message, str) and "choices" not in obj:
+            return _error_from_fields(obj, message)
+    except (ValueError, AttributeError, LookupError, TypeError):  # JSONDecodeError included
+        return None
+    return None
+
+
+# --- Anthropic -----------------------------------------------------------------------------------
+
+
+def _anthropic_error_fields(error: dict[str, Any]) -> InBandError:
+    kind = _str(error.get("type")) or "api_error"
+    return InBandError(
+        message=_str(error.get("message")) or kind,
+        type=kind,
+        status=ANTHROPIC_ERROR_STATUS.get(kind),
+    )
+
+
+def anthropic_input_tokens(usage: dict[str, Any]) -> int | None:
+    """All prompt tokens: Anthropic counts cache reads and writes apart from `input_tokens`."""
+    fresh = _int(usage.get("input_tokens"))
+    if fresh is None:
+        return None
+    return (
+        fresh
+        + (_int(usage.get("cache_read_input_tokens")) or 0)
+        + (_int(usage.get("cache_creation_input_tokens")) or 0)
+    )
+
+
+class AnthropicStreamDecoder:
+    """Classify Anthropic Messages stream events; remembers input tokens from message_start.
+
+    `finish_reason` is Anthropic's own `stop_reason`, and usage input tokens include cache reads
+    and writes (what `prompt_tokens` means on the OpenAI wire).
+    """
+
+    __slots__ = ("_input_tokens",)
+
+    def __init__(self) -> None:
+        self._input_tokens: int | None = None
+
+    def decode(self, event: SSEEvent) -> Chunk:
+        """One chunk per event; raises UpstreamProtocolError for data that is not a JSON object."""
+        data = event.data
+        if not data or event.event == "ping":
+            return Chunk(raw=event.raw)
+        obj = _parse_object(data, "stream event")
+        try:
+            return self._classify(event.raw, obj)
+        except (AttributeError, KeyError, TypeError):
+            raise UpstreamProtocolError(f"malformed stream event: {_snippet(data)!r}") from None
+
+    def _classify(self, raw: bytes, obj: dict[str, Any]) -> Chunk:
+        kind = obj.get("type")
+        if kind == "content_block_delta":
+            delta = obj["delta"]
+            delta_type = delta.get("type")
+            if delta_type == "text_delta":
+                content = bool(delta.get("text"))
+            elif delta_type == "input_json_delta":
+                content = bool(delta.get("partial_json"))
+            elif delta_type == "thinking_delta":
+                content = bool(delta.get("thinking"))
+            else:  # signature_delta, citations_delta
+                content = False
+            return Chunk(raw=raw, data=obj, content=content, tokens=1 if content else 0)
+        if kind == "message_start":
+            usage = obj["message"].get("usage")
+            if usage:
+                self._input_tokens = anthropic_input_tokens(usage)
+            return Chunk(raw=raw, data=obj)
+        if kind == "message_delta":
+            usage = obj.get("usage") or {}
+            # Newer API versions repeat cumulative input counts here; they win when present.
+            input_tokens = anthropic_input_tokens(usage)
+            if input_tokens is not None:
+                self._input_tokens = input_tokens
+            return Chunk(
+                raw=raw,
+                data=obj,
+                finish_reason=obj["delta"].get("stop_reason"),
+                usage=Usage(self._input_tokens, _int(usage.get("output_tokens"))),
+            )
+        if kind == "message_stop":
+            return Chunk(raw=raw, data=obj, done=True)
+        if kind == "error":
+            error = obj.get("error")
+            fields = error if isinstance(error, dict) else {"message": _str(error)}
+            return Chunk(raw=raw, data=obj, error=_anthropic_error_fields(fields))
+        return Chunk(raw=raw, data=obj)  # content_block_start/stop, ping, unknown future events
+
+
+def decode_anthropic_body(body: bytes) -> Chunk:
+    """Classify a non-streaming Messages response.
+
+    Raises UpstreamProtocolError for a body that is not JSON or not a message or error object.
+    """
+    obj = _parse_object(body, "response body")
+    try:
+        kind = obj.get("type")
+        if kind == "error":
+            error = obj.get("error")
+            fields = error if isinstance(error, dict) else {"message": _str(error)}
+            return Chunk(raw=body, data=obj, error=_anthropic_error_fields(fields))
+        if kind == "message":
+            with_content = 0
+            for block in obj.get("content") or ():
+                block_type = block.get("type")
+                if block_type == "text":
+                    with_content += bool(block.get("text"))
+                elif block_type == "thinking":
+                    with_content += bool(block.get("thinking"))
+                else:  # tool_use, server tools' blocks, redacted_thinking: all generated output
+                    with_content += 1
+            usage_fields = obj.get("usage")
+            usage = None
+            if usage_fields:
+                usage = Usage(
+                    anthropic_input_tokens(usage_fields), _int(usage_fields.get("output_tokens"))
+                )
+            known = usage.output_tokens if usage is not None else None
+            return Chunk(
+                raw=body,
+                data=obj,
+                content=with_content > 0,
+                tokens=known if known is not None else with_content,
+                finish_reason=obj.get("stop_reason"),
+                usage=usage,
+            )
+    except (AttributeError, KeyError, TypeError):
+        pass
+    raise UpstreamProtocolError(f"not an Anthropic response: {_snippet(body)!r}")
+
+
+def anthropic_error(body: bytes) -> InBandError | None:
+    """Parse `{"type": "error", "error": {"type", "message"}}`; None if not one. Never raises."""
+    try:
+        obj = orjson.loads(body)
+        if not isinstance(obj, dict):
+            return None
+        error = obj.get("error")
+        if isinstance(error, dict) and (obj.get("type") == "error" or "type" in error):
+            return _anthropic_error_fields(error)
+    except (ValueError, AttributeError, LookupError, TypeError):  # JSONDecodeError included
+        return None
+    return None

@@ -1,0 +1,620 @@
+"""The simulated upstream, served for real under uvicorn, spoken to by httpx and the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import socket
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import uvicorn
+from pydantic import ValidationError
+
+from gateway.sim import (
+    SimConfigError,
+    SimConnectionReset,
+    SimEngine,
+    SimProfile,
+    create_sim_app,
+    load_profiles,
+)
+
+WATCHDOG_S = 10.0  # only ever reached when a test is broken; conditions are awaited, not slept on
+
+
+@asynccontextmanager
+async def serve(engine: SimEngine) -> AsyncIterator[str]:
+    """Run the sim under uvicorn on an ephemeral loopback port; yield its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        create_sim_app(engine), log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # a failed start raises here instead of spinning
+            await asyncio.sleep(0.005)  # uvicorn exposes only a flag
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@asynccontextmanager
+async def sim_client(engine: SimEngine, **kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async with serve(engine) as url, httpx.AsyncClient(base_url=url, **kwargs) as client:
+        yield client
+
+
+def chat(model: str, content: str = "hello there", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def sse_events(response: httpx.Response) -> list[Any]:
+    """The decoded `data:` payloads of a stream; `[DONE]` stays a string."""
+    events: list[Any] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else orjson.loads(data))
+    return events
+
+
+async def wait_for_stats(engine: SimEngine, predicate: Any) -> None:
+    async with asyncio.timeout(WATCHDOG_S):
+        await engine.stats.wait_for(predicate)
+
+
+# Wire format.
+
+
+async def test_chat_stream_shape_without_usage() -> None:
+    """Role chunk, one chunk per token, a finish chunk, [DONE]; no usage unless asked."""
+    engine = SimEngine({"fast": SimProfile(output_tokens=5)}, seed=1)
+    async with (
+        sim_client(engine) as client,
+        client.stream("POST", "/v1/chat/completions", json=chat("fast", stream=True)) as response,
+    ):
+        events = await sse_events(response)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/event-stream"
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    tokens = chunks[1:-1]
+    assert len(tokens) == 5
+    assert all(len(c["choices"][0]["delta"]["content"].split()) == 1 for c in tokens)
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    for chunk in chunks:
+        assert chunk["object"] == "chat.completion.chunk"
+        assert chunk["model"] == "fast"
+        assert chunk["id"] == chunks[0]["id"]
+        assert chunk["id"].startswith("chatcmpl-")
+        assert "usage" not in chunk
+
+
+async def test_chat_stream_with_usage_and_max_tokens() -> None:
+    """include_usage adds a choices-less usage chunk; every other chunk says usage null."""
+    engine = SimEngine({"fast": SimProfile(output_tokens=50)}, seed=1)
+    body = chat("fast", stream=True, stream_options={"include_usage": True}, max_tokens=4)
+    async with (
+        sim_client(engine) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        events = await sse_events(response)
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert all(chunk["usage"] is None for chunk in chunks)
+    assert len(chunks) == 1 + 4 + 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chat_non_streaming_matches_the_stream() -> None:
+    """The same seed gives the same words whether streamed or not."""
+    bodies = []
+    for stream in (False, True):
+        engine = SimEngine(default=SimProfile(output_tokens=7), seed=3)
+        reply = await engine.handle(
+            "POST", "/v1/chat/completions", orjson.dumps(chat("m", stream=stream))
+        )
+        if reply.stream is None:
+            assert reply.body is not None
+            bodies.append(orjson.loads(reply.body)["choices"][0]["message"]["content"])
+        else:
+            frames = [frame async for frame in reply.stream]
+            deltas = [orjson.loads(f[6:])["choices"][0]["delta"] for f in frames[1:-2]]
+            bodies.append("".join(d["content"] for d in deltas))
+    assert bodies[0] == bodies[1]
+    assert len(bodies[0].split()) == 7
+
+
+async def test_openai_sdk_speaks_to_the_sim() -> None:
+    """The official SDK parses chat (both ways), completions, embeddings (base64) and models."""
+    engine = SimEngine(
+        {"fast": SimProfile(output_tokens=6), "embed": SimProfile(embedding_dims=8)}, seed=5
+    )
+    async with (
+        serve(engine) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as sdk,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        completion = await sdk.chat.completions.create(
+            model="fast", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert completion.choices[0].message.role == "assistant"
+        assert len((completion.choices[0].message.content or "").split()) == 6
+        assert completion.choices[0].finish_reason == "stop"
+        assert completion.usage is not None
+        assert completion.usage.completion_tokens == 6
+
+        stream = await sdk.chat.completions.create(
+            model="fast",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=3,
+        )
+        chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert len(text.split()) == 3
+        assert chunks[-1].choices == []
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 3
+
+        text_completion = await sdk.completions.create(model="fast", prompt="once", max_tokens=2)
+        assert text_completion.object == "text_completion"
+        assert len(text_completion.choices[0].text.split()) == 2
+        assert text_completion.choices[0].finish_reason == "length"
+        streamed = await sdk.completions.create(model="fast", prompt="once", stream=True)
+        pieces = [c.choices[0].text async for c in streamed if c.choices]
+        assert len("".join(pieces).split()) == 6
+
+        embedded = await sdk.embeddings.create(model="embed", input=["a", "b", "a"])
+        vectors = [item.embedding for item in embedded.data]
+        assert [item.index for item in embedded.data] == [0, 1, 2]
+        assert len(vectors[0]) == 8
+        assert vectors[0] == vectors[2] != vectors[1]
+        floats = (
+            await client.post("/v1/embeddings", json={"model": "embed", "input": ["a", "b", "a"]})
+        ).json()
+        assert [item["embedding"] for item in floats["data"]] == vectors  # same float32 values
+
+        models = await sdk.models.list()
+        assert sorted(model.id for model in models.data) == ["embed", "fast"]
+
+
+async def test_completions_with_a_list_of_prompts() -> None:
+    """One choice per prompt, indexed by position; streaming a list is refused."""
+    engine = SimEngine(default=SimProfile(output_tokens=3), seed=1)
+    async with sim_client(engine) as client:
+        response = await client.post(
+            "/v1/completions", json={"model": "m", "prompt": ["abcd", "efgh" * 2]}
+        )
+        refused = await client.post(
+            "/v1/completions", json={"model": "m", "prompt": ["a", "b"], "stream": True}
+        )
+    body = response.json()
+    assert [choice["index"] for choice in body["choices"]] == [0, 1]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "prompt"
+
+
+async def test_embeddings_are_deterministic_unit_vectors() -> None:
+    """Vectors depend on the input alone, are L2-normalised, and base64 is float32 LE."""
+    engine = SimEngine(default=SimProfile(embedding_dims=16), seed=1)
+    async with sim_client(engine) as client:
+        floats = (await client.post("/v1/embeddings", json={"model": "e", "input": "x"})).json()
+        packed = (
+            await client.post(
+                "/v1/embeddings", json={"model": "e", "input": ["x"], "encoding_format": "base64"}
+            )
+        ).json()
+        tokens = await client.post("/v1/embeddings", json={"model": "e", "input": [[1, 2, 3]]})
+    vector = floats["data"][0]["embedding"]
+    assert len(vector) == 16
+    assert math.isclose(math.fsum(v * v for v in vector), 1.0, rel_tol=1e-5)
+    decoded = list(struct.unpack("<16f", base64.b64decode(packed["data"][0]["embedding"])))
+    assert decoded == vector
+    assert floats["usage"] == {"prompt_tokens": 1, "total_tokens": 1}
+    assert tokens.json()["usage"]["prompt_tokens"] == 3
+
+
+async def test_models_and_health() -> None:
+    engine = SimEngine({"a": SimProfile(), "b": SimProfile()})
+    async with sim_client(engine) as client:
+        models = (await client.get("/v1/models")).json()
+        health = await client.get("/health")
+        missing = await client.get("/v2/nothing")
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["a", "b"]
+    assert health.status_code == 200
+    assert missing.status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", b"{not json", None),
+        ("/v1/chat/completions", b"[1, 2]", None),
+        ("/v1/chat/completions", orjson.dumps({"messages": []}), "model"),
+        ("/v1/chat/completions", orjson.dumps({"model": "m"}), "messages"),
+        ("/v1/chat/completions", orjson.dumps(chat("m", max_tokens=0)), "max_tokens"),
+        ("/v1/completions", orjson.dumps({"model": "m"}), "prompt"),
+        ("/v1/embeddings", orjson.dumps({"model": "m", "input": []}), "input"),
+    ],
+)
+async def test_bad_requests_are_openai_shaped_400s(
+    path: str, body: bytes, param: str | None
+) -> None:
+    engine = SimEngine()
+    reply = await engine.handle("POST", path, body)
+    assert reply.status == 400
+    assert reply.body is not None
+    error = orjson.loads(reply.body)["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
+    assert engine.stats.requests == 0  # not accepted
+
+
+async def test_determinism_under_a_seed() -> None:
+    """The same seed and the same arrivals give byte-identical answers (but for `created`)."""
+
+    async def run(seed: int) -> list[Any]:
+        engine = SimEngine(default=SimProfile(output_tokens=(3, 30)), seed=seed)
+        answers = []
+        for i in range(6):
+            reply = await engine.handle(
+                "POST", "/v1/chat/completions", orjson.dumps(chat("m", "x" * i))
+            )
+            assert reply.body is not None
+            answer = orjson.loads(reply.body)
+            del answer["created"]
+            answers.append(answer)
+        return answers
+
+    assert await run(7) == await run(7)
+    assert await run(7) != await run(8)
+
+
+# Timing.
+
+
+async def first_token_s(client: httpx.AsyncClient, body: dict[str, Any]) -> float:
+    """Seconds from sending to the first content delta."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                return loop.time() - started
+    raise AssertionError("no content token")
+
+
+async def test_ttft_grows_with_prompt_length() -> None:
+    """Prefill costs per prompt token: a long prompt waits longer for its first token."""
+    engine = SimEngine({"p": SimProfile(prefill_ms_per_token=0.5, output_tokens=2)})
+    async with sim_client(engine) as client:
+        short = await first_token_s(client, chat("p", "hi", stream=True))
+        long = await first_token_s(client, chat("p", "x" * 2400, stream=True))  # 600 tokens
+    assert long >= 0.25  # 300 ms of prefill, slept for
+    assert short < long
+
+
+async def test_slow_requests_get_their_extra_ttft() -> None:
+    engine = SimEngine({"p": SimProfile(output_tokens=1)})
+    async with sim_client(engine) as client:
+        slow = await first_token_s(client, chat("p@slow_rate=1,slow_ms=300-400", stream=True))
+    assert slow >= 0.25
+
+
+async def test_lognormal_tail_spreads_prefill() -> None:
+    """A lognormal tail multiplies prefill by a seeded factor: a few take many times longer."""
+    profile = SimProfile(prefill_base_ms=20, ttft_tail="lognormal", ttft_sigma=1.5)
+    engine = SimEngine(default=profile, seed=3)  # this seed draws factors from 0.15 to 13.9
+    loop = asyncio.get_running_loop()
+    body = orjson.dumps(chat("m"))
+
+    async def timed() -> float:
+        started = loop.time()
+        await engine.handle("POST", "/v1/chat/completions", body)
+        return loop.time() - started
+
+    durations = await asyncio.gather(*(timed() for _ in range(8)))
+    assert max(durations) >= 0.1  # at least 5x the 20 ms median
+    assert min(durations) < max(durations)
+
+
+async def test_continuous_batching_queues_beyond_max_batch() -> None:
+    """With one slot, a second request waits FIFO until the first has sent its last token."""
+    engine = SimEngine({"one": SimProfile(max_batch=1, prefill_base_ms=100, output_tokens=2)})
+    loop = asyncio.get_running_loop()
+    async with sim_client(engine) as client:
+
+        async def run() -> tuple[float, float]:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=chat("one", stream=True)
+            ) as response:
+                first = None
+                async for line in response.aiter_lines():
+                    if first is None and '"content":"' in line and '"content":""' not in line:
+                        first = loop.time()
+                assert first is not None
+                return first, loop.time()
+
+        a = asyncio.create_task(run())
+        await wait_for_stats(engine, lambda s: s.running == 1)
+        b = asyncio.create_task(run())
+        await wait_for_stats(engine, lambda s: s.waiting == 1)
+        (_, a_done), (b_first, _) = await asyncio.gather(a, b)
+    assert a_done <= b_first
+    assert engine.stats.completed == 2
+    assert (engine.stats.running, engine.stats.waiting) == (0, 0)
+
+
+async def test_decode_slows_as_the_batch_fills() -> None:
+    """batch_slowdown=9 makes a full batch of two decode ten times slower than one alone."""
+    profile = SimProfile(tokens_per_s=200, max_batch=2, batch_slowdown=9, output_tokens=10)
+    engine = SimEngine({"d": profile})
+    loop = asyncio.get_running_loop()
+    async with sim_client(engine) as client:
+
+        async def timed() -> float:
+            started = loop.time()
+            response = await client.post("/v1/chat/completions", json=chat("d"))
+            assert response.status_code == 200
+            return loop.time() - started
+
+        alone = await timed()
+        together = await asyncio.gather(timed(), timed())
+    assert min(together) >= 0.3  # at least 9 steps of 50 ms once both hold a slot
+    assert alone < min(together)
+
+
+# Faults.
+
+
+async def test_429_carries_retry_after() -> None:
+    engine = SimEngine({"m": SimProfile(error_429_rate=1, retry_after_s=3)})
+    async with sim_client(engine) as client:
+        response = await client.post("/v1/chat/completions", json=chat("m"))
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "3"
+    assert response.json()["error"]["code"] == "rate_limit_exceeded"
+    assert engine.stats.faults == 1
+
+
+async def test_500_is_openai_shaped() -> None:
+    engine = SimEngine()
+    async with sim_client(engine) as client:
+        response = await client.post("/v1/chat/completions", json=chat("m@error_500_rate=1"))
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error"
+
+
+async def test_reset_before_headers_is_a_connection_error() -> None:
+    """The client sees the connection go, never an HTTP status."""
+    engine = SimEngine()
+    async with sim_client(engine) as client:
+        with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
+            await client.post("/v1/chat/completions", json=chat("m@reset_rate=1"))
+        after = await client.post("/v1/chat/completions", json=chat("m"))  # the server lives on
+    assert after.status_code == 200
+    with pytest.raises(SimConnectionReset):  # in-process, the engine raises instead
+        await engine.handle("POST", "/v1/embeddings", b'{"model":"m@reset_rate=1","input":"x"}')
+
+
+async def test_stall_sends_headers_but_no_token() -> None:
+    """A stalled stream answers 200 and then says nothing; leaving it cancels the request."""
+    engine = SimEngine()
+    received: list[str] = []
+    async with sim_client(engine, timeout=httpx.Timeout(5.0, read=0.3)) as client:
+        body = chat("m@stall_rate=1", stream=True)
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            with pytest.raises(httpx.ReadTimeout):
+                async for line in response.aiter_lines():
+                    received.append(line)
+        await wait_for_stats(engine, lambda s: s.cancelled == 1 and s.open_streams == 0)
+    assert received == []
+
+
+async def test_non_streaming_stall_is_cancelled_when_the_client_leaves() -> None:
+    engine = SimEngine({"m": SimProfile(stall_rate=1, stall_ms=60_000)})
+    async with sim_client(engine, timeout=httpx.Timeout(5.0, read=0.2)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/chat/completions", json=chat("m"))
+        await wait_for_stats(engine, lambda s: s.cancelled == 1)
+    assert engine.stats.completed == 0
+
+
+async def test_cut_stream_ends_without_done() -> None:
+    """About half the tokens arrive, then the chunked body stops short: an error, no [DONE]."""
+    engine = SimEngine({"m": SimProfile(output_tokens=10, cut_rate=1)})
+    lines: list[str] = []
+    async with sim_client(engine) as client:
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=chat("m", stream=True)
+            ) as response:
+                async for line in response.aiter_lines():
+                    if line:
+                        lines.append(line)
+        await wait_for_stats(engine, lambda s: s.open_streams == 0)
+    assert response.status_code == 200
+    assert len(lines) == 1 + 5  # the role chunk, then half of the tokens
+    assert "data: [DONE]" not in lines
+    assert (engine.stats.faults, engine.stats.cancelled, engine.stats.running) == (1, 0, 0)
+
+
+async def test_cut_in_process_raises_from_the_stream() -> None:
+    engine = SimEngine()
+    reply = await engine.handle(
+        "POST", "/v1/chat/completions", orjson.dumps(chat("m@cut_rate=1", stream=True))
+    )
+    assert reply.stream is not None
+    frames = []
+    with pytest.raises(SimConnectionReset):
+        async for frame in reply.stream:
+            frames.append(frame)
+    assert len(frames) == 1 + 8  # role chunk and half of 16 tokens
+
+
+async def test_inband_errors() -> None:
+    """A 200 whose first event (or whole body) is an error object; the SDK raises on it."""
+    engine = SimEngine({"m": SimProfile(inband_error_rate=1)})
+    async with (
+        serve(engine) as url,
+        httpx.AsyncClient(base_url=url) as client,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as sdk,
+    ):
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat("m", stream=True)
+        ) as response:
+            events = await sse_events(response)
+        whole = await client.post("/v1/chat/completions", json=chat("m"))
+        stream = await sdk.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+    assert response.status_code == 200
+    assert set(events[0]) == {"error"}
+    assert events[0]["error"]["code"] == "inband_error"
+    assert whole.status_code == 200
+    assert set(whole.json()) == {"error"}
+
+
+# Profiles and overrides.
+
+
+async def test_model_name_overrides() -> None:
+    """`name@key=value,...` replaces profile fields for that request; bad overrides are 400s."""
+    engine = SimEngine({"fast": SimProfile(output_tokens=9)}, seed=1)
+    async with sim_client(engine) as client:
+        plain = (await client.post("/v1/chat/completions", json=chat("fast"))).json()
+        tuned = await client.post("/v1/chat/completions", json=chat("fast@output_tokens=2"))
+        ranged = await client.post("/v1/chat/completions", json=chat("x@output_tokens=3-4"))
+        unknown = await client.post("/v1/chat/completions", json=chat("fast@nope=1"))
+        invalid = await client.post("/v1/chat/completions", json=chat("fast@stall_rate=2"))
+        malformed = await client.post("/v1/chat/completions", json=chat("fast@stall_rate=1,x"))
+    assert plain["usage"]["completion_tokens"] == 9
+    assert tuned.json()["usage"]["completion_tokens"] == 2
+    assert tuned.json()["model"] == "fast@output_tokens=2"
+    assert ranged.json()["usage"]["completion_tokens"] in (3, 4)
+    for bad in (unknown, invalid, malformed):
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "model"
+    assert "nope" in unknown.json()["error"]["message"]
+
+
+def test_profile_validation() -> None:
+    with pytest.raises(ValidationError):
+        SimProfile(error_500_rate=1.5)
+    with pytest.raises(ValidationError):
+        SimProfile(prefill_base_ms=-1)
+    with pytest.raises(ValidationError):
+        SimProfile(slow_ms=(5, 1))
+    with pytest.raises(ValidationError):
+        SimProfile.model_validate({"stall_rat": 1})
+    assert SimProfile.model_validate({"slow_ms": "2000-4000"}).slow_ms == (2000, 4000)
+    assert SimProfile.model_validate({"output_tokens": [4, 8]}).output_tokens == (4, 8)
+
+
+def test_load_profiles(tmp_path: Path) -> None:
+    good = tmp_path / "sim.yaml"
+    good.write_text(
+        "seed: 7\n"
+        "default: {output_tokens: 4}\n"
+        "profiles:\n"
+        "  fast: {tokens_per_s: 100}\n"
+        "  slow: {prefill_base_ms: 500, slow_ms: [100, 200]}\n"
+    )
+    profiles, default, seed = load_profiles(str(good))
+    assert seed == 7
+    assert default.output_tokens == 4
+    assert profiles["fast"].tokens_per_s == 100
+    assert profiles["slow"].slow_ms == (100, 200)
+
+    for text, key in [("seeds: 1\n", "seeds"), ("profiles: {fast: {stal_ms: 1}}\n", "stal_ms")]:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(SimConfigError, match=key):
+            load_profiles(str(bad))
+
+
+# Client disconnects.
+
+
+async def test_client_disconnect_cancels_the_stream() -> None:
+    """A client that reads two chunks and leaves frees its slot and counts as cancelled."""
+    engine = SimEngine({"slow": SimProfile(tokens_per_s=20, output_tokens=1000)})
+    async with sim_client(engine) as client:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat("slow", stream=True)
+        ) as response:
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += bool(line)
+                if seen == 2:
+                    break
+        async with asyncio.timeout(1.0):
+            await engine.stats.wait_for(
+                lambda s: s.cancelled == 1 and s.open_streams == 0 and s.running == 0
+            )
+    assert engine.stats.completed == 0
+
+
+async def test_in_process_stream_closed_early_is_cancelled() -> None:
+    engine = SimEngine(default=SimProfile(max_batch=1))
+    reply = await engine.handle(
+        "POST", "/v1/chat/completions", orjson.dumps(chat("m", stream=True))
+    )
+    assert reply.stream is not None
+    await anext(reply.stream)
+    await anext(reply.stream)
+    assert (engine.stats.running, engine.stats.open_streams) == (1, 1)
+    await reply.stream.aclose()
+    assert (engine.stats.running, engine.stats.open_streams, engine.stats.cancelled) == (0, 0, 1)
+
+
+async def test_cancelled_waiter_leaves_the_queue() -> None:
+    """A request cancelled while queued for a slot gives up its place; the queue moves on."""
+    engine = SimEngine(default=SimProfile(max_batch=1, prefill_base_ms=60_000))
+    first = asyncio.create_task(
+        engine.handle("POST", "/v1/chat/completions", orjson.dumps(chat("m")))
+    )
+    await wait_for_stats(engine, lambda s: s.running == 1)
+    second = asyncio.create_task(
+        engine.handle("POST", "/v1/chat/completions", orjson.dumps(chat("m")))
+    )
+    await wait_for_stats(engine, lambda s: s.waiting == 1)
+    second.cancel()
+    await wait_for_stats(engine, lambda s: s.waiting == 0 and s.cancelled == 1)
+    first.cancel()
+    await wait_for_stats(engine, lambda s: s.running == 0 and s.cancelled == 2)
+    for task in (first, second):
+        with pytest.raises(asyncio.CancelledError):
+            await task
