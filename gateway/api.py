@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.config import Settings, load_settings
 from gateway.errors import (
     BodyTooLargeError,
+    BudgetExceededError,
     GatewayError,
     InvalidRequestError,
     ProviderError,
@@ -186,7 +187,8 @@ async def proxy(request: Request, endpoint: Endpoint) -> Response:
     call.request_id = scope["tailguard.request_id"]
     call.forward_headers = _forward_headers(request, call.request_id)
     candidates = plan(spec, services.settings, services.providers, call, services.rng)
-    budget = spec.budget.ttft_ms if spec.on_ttft_miss != "none" else None
+    # A non-streaming answer's first token is its whole body: only the total budget applies.
+    budget = spec.budget.ttft_ms if call.stream and spec.on_ttft_miss != "none" else None
     return ProxyResponse(
         services,
         call,
@@ -248,14 +250,25 @@ class ProxyResponse(Response):
     async def _serve(self, send: Send) -> None:
         call = self._call
         services = self._services
+        # Before commit, the total budget bounds the whole attempt loop.
+        remaining = None
+        if self._total_budget_s is not None:
+            remaining = max(0.0, self._total_budget_s - (time.perf_counter() - self._t0))
         try:
-            opened = await open_first(
-                call,
-                self._candidates,
-                headers=call.forward_headers,
-                recorder=services.recorder,
-                ttft_budget_s=self._ttft_budget_s,
-            )
+            try:
+                async with asyncio.timeout(remaining):
+                    opened = await open_first(
+                        call,
+                        self._candidates,
+                        headers=call.forward_headers,
+                        recorder=services.recorder,
+                        ttft_budget_s=self._ttft_budget_s,
+                    )
+            except TimeoutError:
+                budget_ms = round((self._total_budget_s or 0) * 1000)
+                raise BudgetExceededError(
+                    f"No answer within the total budget of {budget_ms} ms."
+                ) from None
         except GatewayError as error:
             if isinstance(error, ProviderError) or error.status >= 500:
                 log.warning("request %s failed: %s", call.request_id, error.message)

@@ -5,6 +5,7 @@
     ├── BodyTooLargeError             413 invalid_request_error
     ├── UnknownModelError             404 invalid_request_error, code model_not_found
     ├── OverloadedError               503 (retry-after)
+    ├── BudgetExceededError           504 the total budget ran out before commit
     ├── ProviderError                 502 one upstream attempt failed before commit (retryable)
     │   ├── ProviderTimeoutError      504
     │   ├── RateLimitedError          429 (retry-after)
@@ -68,6 +69,15 @@ class OverloadedError(GatewayError):
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
         super().__init__(message, headers={"retry-after": str(max(1, round(retry_after_s)))})
         self.retry_after_s = retry_after_s
+
+
+class BudgetExceededError(GatewayError):
+    """The request's total budget ran out before any answer was committed."""
+
+    status, code = 504, "budget_exceeded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
 
 
 class ProviderError(GatewayError):

@@ -57,6 +57,21 @@ def weighted_order(
     return [deployments[i] for _, i in keyed]
 
 
+def fallback_chain(spec: ModelSpec, settings: Settings) -> list[ModelSpec]:
+    """The model, then its fallbacks, then theirs (breadth first, each model once)."""
+    chain = [spec]
+    names = {spec.name}
+    index = 0
+    while index < len(chain):
+        for name in chain[index].fallbacks:
+            model = settings.model(name)
+            if model is not None and name not in names:
+                names.add(name)
+                chain.append(model)
+        index += 1
+    return chain
+
+
 def plan(
     spec: ModelSpec,
     settings: Settings,
@@ -64,16 +79,18 @@ def plan(
     call: Call,
     rng: random.Random,
 ) -> list[Candidate]:
-    """The model's deployments (weighted), then each fallback's, skipping ones that cannot serve.
+    """The model's deployments (weighted), then its fallback chain's, each deployment once,
+    skipping those that cannot serve this kind of call.
 
     Raises InvalidRequestError when no configured deployment can serve this kind of call.
     """
-    chain = [spec, *(m for name in spec.fallbacks if (m := settings.model(name)) is not None)]
     candidates: list[Candidate] = []
-    for model in chain:
+    seen: set[str] = set()
+    for model in fallback_chain(spec, settings):
         for deployment in weighted_order(model.deployments, rng):
             provider = providers[deployment.provider]
-            if can_serve(provider, call.endpoint):
+            if deployment.id not in seen and can_serve(provider, call.endpoint):
+                seen.add(deployment.id)
                 candidates.append(Candidate(model.name, deployment, provider))
     if not candidates:
         raise InvalidRequestError(

@@ -532,3 +532,54 @@ async def test_fallback_model_serves_when_primary_model_fails(
     assert resp.status_code == 200
     assert resp.headers["x-tailguard-model"] == "small"
     assert resp.headers["x-tailguard-deployment"] == "up/small"
+
+
+async def test_non_streaming_request_is_bounded_by_total_budget_only(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A non-streaming answer longer than the TTFT budget is fine; the total budget bounds it."""
+    model = "m@tokens_per_s=100,output_tokens=20"  # ~200 ms of decoding
+    settings = one_model(upstream.base_url, model, budget={"ttft_ms": 50, "total_ms": 5000})
+    async with run_gateway(settings) as gw:
+        resp = await client.post(gw.base_url + "/chat/completions", json=chat())
+    assert resp.status_code == 200
+    slow = one_model(upstream.base_url, "m@stall_rate=1", budget={"ttft_ms": 50, "total_ms": 300})
+    async with run_gateway(slow) as gw:
+        resp = await client.post(gw.base_url + "/chat/completions", json=chat())
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "budget_exceeded"
+    async with asyncio.timeout(5):
+        await upstream.stats.wait_for(lambda s: s.cancelled == 1)
+
+
+async def test_fallbacks_are_followed_transitively(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A fallback's own fallbacks are candidates too, each deployment tried once."""
+    settings = gateway_settings(
+        {"up": {"type": "vllm", "base_url": upstream.base_url}},
+        [
+            {
+                "name": "a",
+                "deployments": [{"provider": "up", "model": "x@error_500_rate=1"}],
+                "fallbacks": ["b"],
+            },
+            {
+                "name": "b",
+                "deployments": [{"provider": "up", "model": "y@error_500_rate=1"}],
+                "fallbacks": ["c"],
+            },
+            {
+                "name": "c",
+                "deployments": [
+                    {"provider": "up", "model": "x@error_500_rate=1"},
+                    {"provider": "up", "model": "z"},
+                ],
+            },
+        ],
+    )
+    async with run_gateway(settings) as gw:
+        resp = await client.post(gw.base_url + "/chat/completions", json=chat("a"))
+    assert resp.status_code == 200
+    assert resp.headers["x-tailguard-model"] == "c"
+    assert resp.headers["x-tailguard-attempts"] == "3"
