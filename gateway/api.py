@@ -507,7 +507,8 @@ def _add_routes(app: FastAPI) -> None:
             "status": "ready",
             "providers": sorted(services.providers),
             "models": [m.name for m in services.settings.models],
-            "latency_store": {"type": services.settings.latency.store, "state": "ok"},
+            # Statistics are kept in this process until the shared Redis store is in place.
+            "latency_store": {"type": services.settings.latency.store, "state": "local"},
         }
         return Response(orjson.dumps(body), media_type="application/json")
 
