@@ -170,6 +170,9 @@ def _forward_headers(request: Request, request_id: str) -> dict[str, str]:
     traceparent = request.headers.get("traceparent")
     if traceparent and _TRACEPARENT.match(traceparent):
         headers["traceparent"] = traceparent
+    beta = request.headers.get("anthropic-beta")
+    if beta:  # feature flags of Anthropic's API: only ever sent to Anthropic upstreams
+        headers["anthropic-beta"] = beta
     return headers
 
 

@@ -166,8 +166,9 @@ class AllCandidatesFailedError(GatewayError):
             self.status, self.code = 503, "upstream_overloaded"
         else:
             self.status = 502
-        # The gateway already tried every candidate; SDK retries would multiply that.
-        self.headers["x-should-retry"] = "false"
+        if len(errors) > 1:
+            # The gateway already tried several candidates; SDK retries would multiply that.
+            self.headers["x-should-retry"] = "false"
 
 
 # --- rendering -----------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ def prepare(
     call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]
 ) -> Prepared:
     """Raises InvalidRequestError when the call cannot be expressed in the provider's format."""
+    if provider.wire != "anthropic" and "anthropic-beta" in headers:
+        headers = {k: v for k, v in headers.items() if k != "anthropic-beta"}
     try:
         return _prepare(call, provider, upstream_model, headers)
     except TranslationError as exc:
