@@ -13,7 +13,7 @@ import os
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.config import Settings, load_settings
+from gateway.config import ModelSpec, Settings, load_settings
 from gateway.errors import (
     BodyTooLargeError,
     BudgetExceededError,
@@ -39,10 +39,10 @@ from gateway.errors import (
     stream_error,
 )
 from gateway.latency import MemoryRecorder, Recorder, Sample
-from gateway.models import Call, Endpoint, Wire
+from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
 from gateway.providers import open_providers
 from gateway.providers.base import Provider
-from gateway.routing import Opened, open_first, plan
+from gateway.routing import Candidate, Opened, open_first, plan
 from gateway.validate import parse_call
 
 log = logging.getLogger("tailguard")
@@ -58,6 +58,7 @@ class Services:
     """Everything a handler needs, built once per app by the lifespan."""
 
     settings: Settings
+    models: dict[str, ModelSpec]  # by name
     providers: dict[str, Provider]
     recorder: Recorder
     rng: random.Random
@@ -67,8 +68,20 @@ class Services:
 # --- the edge middleware: request id and arrival time on every request ---------------------------
 
 
+LLM_ROUTES: dict[str, Endpoint] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/messages": "messages",
+}
+
+
 class EdgeMiddleware:
-    """Stamps arrival time and a request id on the scope, and `x-request-id` on every response."""
+    """Stamps arrival time and a request id on every request, and `x-request-id` on every response.
+
+    The LLM endpoints are served from here directly: they need none of the framework's routing,
+    dependency injection or response models, and this is the hot path.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -98,6 +111,10 @@ class EdgeMiddleware:
                 message["headers"] = headers
             await send(message)
 
+        endpoint = LLM_ROUTES.get(scope["path"])
+        if endpoint is not None and scope["method"] == "POST":
+            await serve_llm(scope, receive, send_with_id, endpoint)
+            return
         await self.app(scope, receive, send_with_id)
 
 
@@ -150,49 +167,81 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
 # --- the proxy -----------------------------------------------------------------------------------
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+class ClientGoneError(Exception):
+    """The client disconnected while its request was being read."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole body, refusing it as soon as it is known to exceed `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLargeError(f"The request body exceeds the limit of {limit} bytes.")
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                raise BodyTooLargeError(f"The request body exceeds the limit of {limit} bytes.")
+            break
     parts: list[bytes] = []
     size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise BodyTooLargeError(f"The request body exceeds the limit of {limit} bytes.")
-        parts.append(part)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGoneError
+        part = message.get("body", b"")
+        if part:
+            size += len(part)
+            if size > limit:
+                raise BodyTooLargeError(f"The request body exceeds the limit of {limit} bytes.")
+            parts.append(part)
+        if not message.get("more_body", False):
+            break
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _forward_headers(request: Request, request_id: str) -> dict[str, str]:
+def _forward_headers(scope: Scope, request_id: str) -> dict[str, str]:
     headers = {"x-request-id": request_id}
-    traceparent = request.headers.get("traceparent")
-    if traceparent and _TRACEPARENT.match(traceparent):
-        headers["traceparent"] = traceparent
-    beta = request.headers.get("anthropic-beta")
-    if beta:  # feature flags of Anthropic's API: only ever sent to Anthropic upstreams
-        headers["anthropic-beta"] = beta
+    for name, value in scope["headers"]:
+        if name == b"traceparent":
+            traceparent = value.decode("latin-1")
+            if _TRACEPARENT.match(traceparent):
+                headers["traceparent"] = traceparent
+        elif name == b"anthropic-beta":
+            # Feature flags of Anthropic's API: only ever sent to Anthropic upstreams.
+            headers["anthropic-beta"] = value.decode("latin-1")
     return headers
 
 
-async def proxy(request: Request, endpoint: Endpoint) -> Response:
-    services: Services = request.state.services
-    scope = request.scope
-    raw = await read_body(request, services.settings.server.max_body_bytes)
+async def serve_llm(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+    """One LLM request, from body to last byte; every failure is answered in the client's wire."""
+    wire = ENDPOINT_WIRE[endpoint]
+    try:
+        proxy = await _admit(scope, receive, endpoint)
+    except GatewayError as error:
+        await _send_error(send, error, wire)
+        return
+    except ClientGoneError:
+        return
+    except Exception:
+        log.exception("unhandled error while admitting a request to %s", scope["path"])
+        await _send_error(send, GatewayError("The gateway failed to process the request."), wire)
+        return
+    await proxy(scope, receive, send)
+
+
+async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
+    services: Services = scope["state"]["services"]
+    raw = await read_body(scope, receive, services.settings.server.max_body_bytes)
     call = parse_call(endpoint, raw)
-    spec = services.settings.model(call.model)
+    spec = services.models.get(call.model)
     if spec is None:
-        names = ", ".join(m.name for m in services.settings.models)
         raise UnknownModelError(
-            f"The model '{call.model}' does not exist. Available models: {names}.", param="model"
+            f"The model '{call.model}' does not exist. Available models: "
+            f"{', '.join(services.models)}.",
+            param="model",
         )
     call.request_id = scope["tailguard.request_id"]
-    call.forward_headers = _forward_headers(request, call.request_id)
+    call.forward_headers = _forward_headers(scope, call.request_id)
     candidates = plan(spec, services.settings, services.providers, call, services.rng)
     # A non-streaming answer's first token is its whole body: only the total budget applies.
     budget = spec.budget.ttft_ms if call.stream and spec.on_ttft_miss != "none" else None
-    return ProxyResponse(
+    return Proxy(
         services,
         call,
         candidates,
@@ -202,8 +251,8 @@ async def proxy(request: Request, endpoint: Endpoint) -> Response:
     )
 
 
-class ProxyResponse(Response):
-    """Runs the attempt loop and relays the answer when the server calls it.
+class Proxy:
+    """Runs the attempt loop and relays the answer, as an ASGI callable.
 
     A watcher cancels the work as soon as the client disconnects, streaming or not, so the
     upstream connection is closed at once (by the `finally` that owns it).
@@ -213,14 +262,12 @@ class ProxyResponse(Response):
         self,
         services: Services,
         call: Call,
-        candidates: list[Any],
+        candidates: list[Candidate],
         t0: float,
         *,
         ttft_budget_s: float | None,
         total_budget_s: float | None,
     ) -> None:
-        self.status_code = 200
-        self.background = None
         self._services = services
         self._call = call
         self._candidates = candidates
@@ -451,6 +498,7 @@ def create_app(settings: Settings, *, recorder: Recorder | None = None) -> FastA
             providers = await open_providers(settings, stack)
             services = Services(
                 settings=settings,
+                models={m.name: m for m in settings.models},
                 providers=providers,
                 recorder=recorder if recorder is not None else MemoryRecorder(),
                 rng=random.Random(),
@@ -475,17 +523,14 @@ def create_app(settings: Settings, *, recorder: Recorder | None = None) -> FastA
 
 
 def _add_routes(app: FastAPI) -> None:
-    def llm_route(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
-        async def handler(request: Request) -> Response:
-            return await proxy(request, endpoint)
+    async def wrong_method(request: Request) -> Response:
+        raise StarletteHTTPException(405, "Method Not Allowed")
 
-        handler.__name__ = f"proxy_{endpoint}"
-        return handler
-
-    app.add_api_route("/v1/chat/completions", llm_route("chat"), methods=["POST"])
-    app.add_api_route("/v1/completions", llm_route("completions"), methods=["POST"])
-    app.add_api_route("/v1/embeddings", llm_route("embeddings"), methods=["POST"])
-    app.add_api_route("/v1/messages", llm_route("messages"), methods=["POST"])
+    # POST to these is served by EdgeMiddleware; any other method lands here.
+    for path in LLM_ROUTES:
+        app.add_api_route(
+            path, wrong_method, methods=["GET", "PUT", "PATCH", "DELETE"], include_in_schema=False
+        )
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
