@@ -10,8 +10,8 @@ from gateway.providers.base import Provider
 
 
 async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str, Provider]:
-    """Build every configured provider; their HTTP clients close when `stack` does."""
-    from gateway.providers.http import HTTPProvider, make_client
+    """Build every configured provider; their connection pools close when `stack` does."""
+    from gateway.providers.http import HTTPProvider, make_session
     from gateway.providers.simulated import SimulatedProvider
 
     providers: dict[str, Provider] = {}
@@ -19,8 +19,9 @@ async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str,
         if spec.type == "simulated":
             providers[name] = SimulatedProvider(name, spec)
         else:
-            client = await stack.enter_async_context(make_client(spec))
-            providers[name] = HTTPProvider(name, spec, client)
+            session = make_session(spec)
+            stack.push_async_callback(session.close)
+            providers[name] = HTTPProvider(name, spec, session)
     return providers
 
 

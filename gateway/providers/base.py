@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import email.utils
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from gateway.errors import (
@@ -84,12 +84,14 @@ def decode_body(wire: Wire, body: bytes) -> Chunk:
     return decode_anthropic_body(body) if wire == "anthropic" else decode_openai_body(body)
 
 
-ByteSource = AsyncIterator[bytes]
+ReadBytes = Callable[[], Awaitable[bytes]]
+"""Returns the next bytes the upstream sent; b"" at the end."""
 TranslateError = Callable[[BaseException], ProviderError | None]
 
 
 class ChunkStream:
-    """Turns an upstream byte source into chunks. `close` releases the upstream connection."""
+    """Turns upstream bytes into chunks. `close` releases the upstream connection (closing it when
+    the response was not read to its end, so the upstream sees the client leave)."""
 
     __slots__ = (
         "_body_read",
@@ -98,7 +100,7 @@ class ChunkStream:
         "_decoder",
         "_deployment",
         "_parser",
-        "_source",
+        "_read",
         "_translate",
         "_wire",
         "status",
@@ -112,7 +114,7 @@ class ChunkStream:
         deployment: str,
         wire: Wire,
         streaming: bool,
-        source: ByteSource,
+        read: ReadBytes,
         close: Callable[[], Awaitable[None]],
         translate: TranslateError,
         status: int = 200,
@@ -121,7 +123,7 @@ class ChunkStream:
         self._deployment = deployment
         self._wire = wire
         self.streaming = streaming
-        self._source = source
+        self._read = read
         self._close = close
         self._translate = translate
         self._closed = False
@@ -183,9 +185,7 @@ class ChunkStream:
 
     async def _next_bytes(self) -> bytes | None:
         try:
-            return await anext(self._source)
-        except StopAsyncIteration:
-            return None
+            return await self._read() or None
         except Exception as exc:
             error = self._translate(exc)
             if error is None:
@@ -196,12 +196,7 @@ class ChunkStream:
         if self._closed:
             return
         self._closed = True
-        try:
-            closer = getattr(self._source, "aclose", None)
-            if closer is not None:
-                await closer()
-        finally:
-            await self._close()
+        await self._close()
 
 
 # --- error statuses ------------------------------------------------------------------------------

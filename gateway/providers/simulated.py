@@ -6,7 +6,6 @@ upstream, so the gateway behaves the same whether the simulator runs in-process 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Final
 
 from gateway.config import ProviderSpec
@@ -54,9 +53,20 @@ class SimulatedProvider:
                 headers=reply.headers,
                 body=reply.body or b"",
             )
-        source: AsyncIterator[bytes] = (
-            reply.stream if reply.stream is not None else _once(reply.body or b"")
-        )
+        if reply.stream is not None:
+            stream = reply.stream
+
+            async def read() -> bytes:
+                return await anext(stream, b"")
+
+            close = stream.aclose
+        else:
+            body = [reply.body or b""]
+
+            async def read() -> bytes:
+                return body.pop() if body else b""
+
+            close = _nothing
 
         def translate(exc: BaseException) -> ProviderError | None:
             if isinstance(exc, SimConnectionReset):
@@ -71,15 +81,11 @@ class SimulatedProvider:
             deployment=deployment,
             wire="openai",
             streaming=reply.stream is not None,
-            source=source,
-            close=_nothing,
+            read=read,
+            close=close,
             translate=translate,
             status=reply.status,
         )
-
-
-async def _once(body: bytes) -> AsyncIterator[bytes]:
-    yield body
 
 
 async def _nothing() -> None:
