@@ -8,7 +8,6 @@ parsing, header models and response objects made twice), so the adapter speaks a
 
 from __future__ import annotations
 
-import asyncio
 from typing import Final
 from urllib.parse import urlsplit
 
