@@ -42,7 +42,7 @@ from gateway.latency import MemoryRecorder, Recorder, Sample
 from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
 from gateway.providers import open_providers
 from gateway.providers.base import Provider
-from gateway.routing import Candidate, Opened, open_first, plan
+from gateway.routing import Candidate, Opened, fallback_chain, open_first, plan
 from gateway.validate import parse_call
 
 log = logging.getLogger("tailguard")
@@ -59,6 +59,7 @@ class Services:
 
     settings: Settings
     models: dict[str, ModelSpec]  # by name
+    chains: dict[str, list[ModelSpec]]  # by name: the model, then its fallbacks, transitively
     providers: dict[str, Provider]
     recorder: Recorder
     rng: random.Random
@@ -238,7 +239,7 @@ async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
         )
     call.request_id = scope["tailguard.request_id"]
     call.forward_headers = _forward_headers(scope, call.request_id)
-    candidates = plan(spec, services.settings, services.providers, call, services.rng)
+    candidates = plan(services.chains[spec.name], services.providers, call, services.rng)
     # A non-streaming answer's first token is its whole body: only the total budget applies.
     budget = spec.budget.ttft_ms if call.stream and spec.on_ttft_miss != "none" else None
     return Proxy(
@@ -499,6 +500,7 @@ def create_app(settings: Settings, *, recorder: Recorder | None = None) -> FastA
             services = Services(
                 settings=settings,
                 models={m.name: m for m in settings.models},
+                chains={m.name: fallback_chain(m, settings) for m in settings.models},
                 providers=providers,
                 recorder=recorder if recorder is not None else MemoryRecorder(),
                 rng=random.Random(),

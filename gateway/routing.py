@@ -73,20 +73,19 @@ def fallback_chain(spec: ModelSpec, settings: Settings) -> list[ModelSpec]:
 
 
 def plan(
-    spec: ModelSpec,
-    settings: Settings,
+    chain: Sequence[ModelSpec],
     providers: Mapping[str, Provider],
     call: Call,
     rng: random.Random,
 ) -> list[Candidate]:
-    """The model's deployments (weighted), then its fallback chain's, each deployment once,
-    skipping those that cannot serve this kind of call.
+    """The deployments of `chain` (the model, then its fallbacks: see `fallback_chain`), each
+    model's in weighted order, each deployment once, skipping those that cannot serve the call.
 
     Raises InvalidRequestError when no configured deployment can serve this kind of call.
     """
     candidates: list[Candidate] = []
     seen: set[str] = set()
-    for model in fallback_chain(spec, settings):
+    for model in chain:
         for deployment in weighted_order(model.deployments, rng):
             provider = providers[deployment.provider]
             if deployment.id not in seen and can_serve(provider, call.endpoint):
@@ -94,7 +93,7 @@ def plan(
                 candidates.append(Candidate(model.name, deployment, provider))
     if not candidates:
         raise InvalidRequestError(
-            f"model {spec.name!r} has no deployment that serves {call.endpoint} requests",
+            f"model {chain[0].name!r} has no deployment that serves {call.endpoint} requests",
             param="model",
         )
     return candidates
