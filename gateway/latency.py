@@ -1,13 +1,56 @@
 """Latency statistics: what every request hands over when it ends, and where it is kept.
 
-`Recorder.record` is called on the request path, so it only touches memory.
+`Recorder.record` is called on the request path, so it only touches memory. The stores keep, per
+deployment and per model name, one sketch per metric (`ttft`, `tpot`, `total`) and per time slice;
+the window is the sum of its slices. `refresh()` swaps in an immutable `Snapshot` for the router.
+`MemoryLatencyStore` serves one process; `RedisLatencyStore` shares the slices between replicas
+and falls back to its own numbers while Redis is unreachable. `run_store` owns their background
+flush and refresh tasks.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
+import random
+import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, Protocol, TypeVar
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from gateway.sketch import DEFAULT_ALPHA, Sketch, latency_report
+
+__all__ = [
+    "METRICS",
+    "TTFT_DEADLINE",
+    "FanOutRecorder",
+    "LatencyStore",
+    "MemoryLatencyStore",
+    "MemoryRecorder",
+    "MetricStats",
+    "Recorder",
+    "RedisLatencyStore",
+    "Sample",
+    "Sketch",
+    "Snapshot",
+    "TargetStats",
+    "connect_redis",
+    "latency_report",
+    "observations",
+    "run_store",
+]
+
+logger = logging.getLogger(__name__)
+_K = TypeVar("_K")
+_F = TypeVar("_F")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,3 +87,655 @@ class MemoryRecorder:
         kept.append(sample)
         if not sample.ok:
             self.errors[sample.deployment] = self.errors.get(sample.deployment, 0) + 1
+
+
+class FanOutRecorder:
+    """Hands every sample to several recorders (e.g. a test's `MemoryRecorder` and the store)."""
+
+    def __init__(self, *recorders: Recorder) -> None:
+        self.recorders = recorders
+
+    def record(self, sample: Sample) -> None:
+        for recorder in self.recorders:
+            recorder.record(sample)
+
+
+# --- windowed statistics ---------------------------------------------------------------------
+
+Metric = Literal["ttft", "tpot", "total"]
+METRICS: tuple[Metric, ...] = ("ttft", "tpot", "total")
+TTFT_DEADLINE = (
+    "ttft_deadline"  # `Sample.error` of an attempt whose first token missed its deadline
+)
+Source = Literal["memory", "redis", "local-fallback"]
+_MODEL_TAG = "model:"  # hash-tag prefix of per-model keys; deployments are tagged by bare name
+
+
+def observations(sample: Sample) -> list[tuple[Metric, float]]:
+    """The latencies (ms) a sample contributes.
+
+    A failed attempt contributes none (it is counted as an error), except a TTFT deadline miss: its
+    `total_s` is the time to the deadline, a lower bound on its TTFT, so it is kept as a censored
+    TTFT sample and a stalled deployment looks slow rather than merely erroring.
+    """
+    if sample.ok:
+        found: list[tuple[Metric, float]] = [("total", sample.total_s * 1000.0)]
+        if sample.ttft_s is not None:
+            found.append(("ttft", sample.ttft_s * 1000.0))
+        if sample.tpot_s is not None:
+            found.append(("tpot", sample.tpot_s * 1000.0))
+        return found
+    if sample.error == TTFT_DEADLINE:
+        return [("ttft", sample.total_s * 1000.0)]
+    return []
+
+
+def _tags(sample: Sample) -> tuple[str, str]:
+    return sample.deployment, _MODEL_TAG + sample.model
+
+
+class _Counts:
+    """One slice (or a merged window) of one deployment or model."""
+
+    __slots__ = ("errors", "requests", "sketches")
+
+    def __init__(self, alpha: float) -> None:
+        self.sketches: dict[Metric, Sketch] = {m: Sketch(alpha) for m in METRICS}
+        self.requests = 0
+        self.errors = 0
+
+    def merge(self, other: _Counts) -> None:
+        for metric, sketch in other.sketches.items():
+            self.sketches[metric].merge(sketch)
+        self.requests += other.requests
+        self.errors += other.errors
+
+
+class _Windows:
+    """Per-tag slices of sketches in this process; a tag is a deployment or `model:<name>`."""
+
+    def __init__(self, window_s: float, slice_s: float, alpha: float) -> None:
+        if not 0 < slice_s <= window_s:
+            raise ValueError("need 0 < slice_s <= window_s")
+        self.slice_s = slice_s
+        self.alpha = alpha
+        # The window is the current slice plus older ones: a sample counts for at most window_s.
+        self.n_slices = math.ceil(window_s / slice_s)
+        self._slices: dict[str, dict[int, _Counts]] = {}
+
+    def slice_of(self, now: float) -> int:
+        return int(now // self.slice_s)
+
+    def window(self, now: float) -> range:
+        current = self.slice_of(now)
+        return range(current - self.n_slices + 1, current + 1)
+
+    def counts(self, tag: str, index: int) -> _Counts:
+        slices = self._slices.get(tag)
+        if slices is None:
+            slices = self._slices[tag] = {}
+        counts = slices.get(index)
+        if counts is None:
+            # A new slice starts: drop the ones that left the window (amortised O(1)).
+            for old in [i for i in slices if i <= index - self.n_slices]:
+                del slices[old]
+            counts = slices[index] = _Counts(self.alpha)
+        return counts
+
+    def tags(self) -> set[str]:
+        return set(self._slices)
+
+    def merged(self, now: float) -> dict[str, _Counts]:
+        window = self.window(now)
+        out: dict[str, _Counts] = {}
+        for tag, slices in self._slices.items():
+            total = out[tag] = _Counts(self.alpha)
+            for index in [i for i in slices if i < window.start]:
+                del slices[index]
+            for index, counts in slices.items():
+                if index in window:
+                    total.merge(counts)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class MetricStats:
+    """Percentiles (ms) of one metric over the window; None when there are no samples."""
+
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    count: int
+    trusted: bool  # count >= min_samples: below that p99 is little more than the maximum
+
+    @classmethod
+    def of(cls, sketch: Sketch, min_samples: int) -> MetricStats:
+        if sketch.count == 0:
+            return cls(None, None, None, 0, False)
+        p50, p90, p99 = sketch.quantiles((0.50, 0.90, 0.99))
+        return cls(p50, p90, p99, sketch.count, sketch.count >= min_samples)
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {"p50": self.p50, "p90": self.p90, "p99": self.p99, "count": self.count}
+
+
+@dataclass(frozen=True, slots=True)
+class TargetStats:
+    """What the window says about one deployment or one model name."""
+
+    ttft: MetricStats
+    tpot: MetricStats
+    total: MetricStats
+    requests: int  # attempts that ended in the window, failed ones included
+    errors: int
+    inflight: int  # this process's attempts in progress now (not shared between replicas)
+
+    @property
+    def trusted(self) -> bool:
+        """Enough samples of TTFT or total latency; routing should check the metric it uses."""
+        return self.ttft.trusted or self.total.trusted
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ttft_ms": self.ttft.as_dict(),
+            "tpot_ms": self.tpot.as_dict(),
+            "total_ms": self.total.as_dict(),
+            "requests": self.requests,
+            "errors": self.errors,
+            "inflight": self.inflight,
+            "trusted": self.trusted,
+            "cooldown_until": None,
+        }
+
+
+def _no_targets() -> Mapping[str, TargetStats]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An immutable view of the window, swapped in whole by `refresh()`; what the router reads."""
+
+    window_s: float
+    taken_at: float  # clock time of the refresh that built it
+    source: Source
+    deployments: Mapping[str, TargetStats] = field(default_factory=_no_targets)
+    models: Mapping[str, TargetStats] = field(default_factory=_no_targets)
+
+    def age_s(self, now: float | None = None) -> float:
+        return (time.time() if now is None else now) - self.taken_at
+
+    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+        """The JSON body of `GET /admin/latency`."""
+        return {
+            "window_s": self.window_s,
+            "taken_at": self.taken_at,
+            "age_s": round(self.age_s(now), 3),
+            "source": self.source,
+            "deployments": {name: s.as_dict() for name, s in sorted(self.deployments.items())},
+            "models": {name: s.as_dict() for name, s in sorted(self.models.items())},
+        }
+
+
+def _snapshot(
+    merged: Mapping[str, _Counts],
+    inflight: Mapping[str, int],
+    *,
+    window_s: float,
+    min_samples: int,
+    now: float,
+    source: Source,
+    alpha: float,
+) -> Snapshot:
+    deployments: dict[str, TargetStats] = {}
+    models: dict[str, TargetStats] = {}
+    for tag in merged.keys() | inflight.keys():
+        counts = merged.get(tag) or _Counts(alpha)
+        stats = TargetStats(
+            ttft=MetricStats.of(counts.sketches["ttft"], min_samples),
+            tpot=MetricStats.of(counts.sketches["tpot"], min_samples),
+            total=MetricStats.of(counts.sketches["total"], min_samples),
+            requests=counts.requests,
+            errors=counts.errors,
+            inflight=inflight.get(tag, 0),
+        )
+        if tag.startswith(_MODEL_TAG):
+            models[tag.removeprefix(_MODEL_TAG)] = stats
+        else:
+            deployments[tag] = stats
+    return Snapshot(
+        window_s=window_s,
+        taken_at=now,
+        source=source,
+        deployments=MappingProxyType(deployments),
+        models=MappingProxyType(models),
+    )
+
+
+# --- stores ----------------------------------------------------------------------------------
+
+
+class LatencyStore(Recorder, Protocol):
+    """Windowed latency statistics. `record`, `started` and `finished` run on the request path
+    (memory only, O(1)); `flush` and `refresh` run in background tasks (see `run_store`)."""
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+    @property
+    def state(self) -> Literal["ok", "degraded"]: ...
+
+    def started(self, deployment: str, model: str | None = None) -> None: ...
+
+    def finished(self, deployment: str, model: str | None = None) -> None: ...
+
+    async def flush(self) -> None: ...
+
+    async def refresh(self) -> Snapshot: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class MemoryLatencyStore:
+    """Windowed sketches in this process only: one replica, or the local view of a shared store."""
+
+    _source: Source = "memory"
+
+    def __init__(
+        self,
+        *,
+        window_s: float = 60.0,
+        slice_s: float = 5.0,
+        min_samples: int = 20,
+        alpha: float = DEFAULT_ALPHA,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.window_s = window_s
+        self.min_samples = min_samples
+        self.alpha = alpha
+        self._clock = clock
+        self._windows = _Windows(window_s, slice_s, alpha)
+        self._inflight: dict[str, int] = {}
+        self._mapping = Sketch(alpha)  # computes bucket keys once per observation
+        self._snapshot = Snapshot(window_s=window_s, taken_at=clock(), source=self._source)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    @property
+    def state(self) -> Literal["ok", "degraded"]:
+        return "ok"
+
+    def record(self, sample: Sample) -> None:
+        self._record_local(sample, self._windows.slice_of(self._clock()))
+
+    def _record_local(self, sample: Sample, index: int) -> list[tuple[Metric, int]]:
+        """Count `sample` into slice `index`; return the bucket key of each observation."""
+        found = observations(sample)
+        keyed = [(metric, self._mapping.key(ms)) for metric, ms in found]
+        for tag in _tags(sample):
+            counts = self._windows.counts(tag, index)
+            counts.requests += 1
+            if not sample.ok:
+                counts.errors += 1
+            for metric, key in keyed:
+                counts.sketches[metric].add_key(key)
+        return keyed
+
+    def started(self, deployment: str, model: str | None = None) -> None:
+        """An attempt began; pass the same arguments to `finished` when it ends."""
+        for tag in (deployment,) if model is None else (deployment, _MODEL_TAG + model):
+            self._inflight[tag] = self._inflight.get(tag, 0) + 1
+
+    def finished(self, deployment: str, model: str | None = None) -> None:
+        for tag in (deployment,) if model is None else (deployment, _MODEL_TAG + model):
+            left = self._inflight.get(tag, 0) - 1
+            if left > 0:
+                self._inflight[tag] = left
+            else:
+                self._inflight.pop(tag, None)
+
+    def local_snapshot(self, source: Source | None = None) -> Snapshot:
+        """A snapshot of this process's own window."""
+        now = self._clock()
+        return _snapshot(
+            self._windows.merged(now),
+            self._inflight,
+            window_s=self.window_s,
+            min_samples=self.min_samples,
+            now=now,
+            source=source or self._source,
+            alpha=self.alpha,
+        )
+
+    async def flush(self) -> None:
+        """Nothing to share: everything is already in memory."""
+
+    async def refresh(self) -> Snapshot:
+        self._snapshot = self.local_snapshot()
+        return self._snapshot
+
+    def health(self) -> dict[str, Any]:
+        """The latency-store part of `/readyz`."""
+        return {"type": "memory", "state": "ok", "snapshot_age_s": self._age()}
+
+    def _age(self) -> float:
+        return round(self._snapshot.age_s(self._clock()), 3)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def connect_redis(url: str, *, timeout_s: float = 0.25, max_connections: int = 4) -> Redis:
+    """A client suited to `RedisLatencyStore`: short timeouts, no retries (the store's breaker
+    decides when to try again) and a small pool, so an outage cannot cause a connection storm.
+
+    The caller owns the client and must `await client.aclose()`.
+    """
+    return Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        max_connections=max_connections,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+class RedisLatencyStore(MemoryLatencyStore):
+    """Latency shared by every replica through Redis, failing open to this process's own numbers.
+
+    `record` only touches memory: the local window (the fallback) and a buffer of pending counts.
+    `flush` writes the buffer in one pipeline of `HINCRBY`s; `refresh` reads the window's slices of
+    every known deployment and model back and merges them. Keys, one hash per slice:
+    `tg:lat:{<tag>}:<metric>:<slice start>` (fields: bucket keys) and `tg:cnt:{<tag>}:<slice start>`
+    (fields `requests`, `errors`), where the tag is the deployment name or `model:<name>`; the
+    `{...}` hash tag keeps each deployment's keys on one Redis Cluster node. Tags written in the
+    last window are listed in the sorted set `tg:lat:index`, so replicas learn each other's
+    deployments. (A deployment named `model:...` would be read as a model name.)
+
+    Any Redis failure opens a breaker: Redis is left alone until a jittered, doubling backoff
+    expires, and meanwhile `refresh` serves the local window (`source="local-fallback"`). Counts
+    that failed to flush are kept for the next flush, up to `max_pending_fields`; beyond that new
+    samples are not shared (still counted locally) and are counted in `dropped_samples`. A flush
+    that fails after Redis applied it is retried, so shared counts are at-least-once.
+
+    The store borrows `redis` (see `connect_redis`); the caller closes it after `aclose()`.
+    """
+
+    _source: Source = "local-fallback"  # until the first successful read
+
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        window_s: float = 60.0,
+        slice_s: float = 5.0,
+        min_samples: int = 20,
+        alpha: float = DEFAULT_ALPHA,
+        clock: Callable[[], float] = time.time,
+        timeout_s: float = 0.5,
+        backoff_min_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        max_pending_fields: int = 100_000,
+        prefix: str = "tg",
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(
+            window_s=window_s, slice_s=slice_s, min_samples=min_samples, alpha=alpha, clock=clock
+        )
+        self._redis = redis
+        self._slice_s = slice_s
+        self._ttl_s = math.ceil(window_s + 2 * slice_s)
+        self._timeout_s = timeout_s
+        self._backoff_min_s = backoff_min_s
+        self._backoff_max_s = backoff_max_s
+        self._max_pending_fields = max_pending_fields
+        self._prefix = prefix
+        self._index_key = f"{prefix}:lat:index"
+        self._rng = rng or random.Random()
+        self._pending_lat: dict[tuple[str, Metric, int], dict[int, int]] = {}
+        self._pending_cnt: dict[tuple[str, int], dict[str, int]] = {}
+        self._pending_fields = 0
+        self._pending_samples = 0
+        self._failures_in_row = 0
+        self._retry_at = -math.inf
+        self.last_error: str | None = None
+        self.last_ok_at: float | None = None
+        self.flush_failures = 0
+        self.refresh_failures = 0
+        self.dropped_samples = 0
+
+    # -- request path --
+
+    def record(self, sample: Sample) -> None:
+        index = self._windows.slice_of(self._clock())
+        keyed = self._record_local(sample, index)
+        if self._pending_fields >= self._max_pending_fields:
+            self.dropped_samples += 1  # Redis has been unreachable for long: keep memory bounded
+            return
+        for tag in _tags(sample):
+            for metric, key in keyed:
+                self._bump(self._pending_lat, (tag, metric, index), key, 1)
+            self._bump(self._pending_cnt, (tag, index), "requests", 1)
+            if not sample.ok:
+                self._bump(self._pending_cnt, (tag, index), "errors", 1)
+        self._pending_samples += 1
+
+    def _bump(self, pending: dict[_K, dict[_F, int]], where: _K, name: _F, n: int) -> None:
+        fields = pending.get(where)
+        if fields is None:
+            fields = pending[where] = {}
+        if name in fields:
+            fields[name] += n
+        else:
+            fields[name] = n
+            self._pending_fields += 1
+
+    @property
+    def pending_fields(self) -> int:
+        """Hash fields waiting for the next flush (one `HINCRBY` each)."""
+        return self._pending_fields
+
+    # -- breaker --
+
+    @property
+    def state(self) -> Literal["ok", "degraded"]:
+        return "ok" if self._failures_in_row == 0 else "degraded"
+
+    def _may_call(self) -> bool:
+        return self._clock() >= self._retry_at
+
+    def _failed(self, exc: BaseException) -> None:
+        if self._failures_in_row == 0:
+            logger.warning("latency store: Redis failed (%r); using local statistics", exc)
+        self._failures_in_row += 1
+        self.last_error = type(exc).__name__
+        delay = min(self._backoff_max_s, self._backoff_min_s * 2 ** (self._failures_in_row - 1))
+        self._retry_at = self._clock() + delay * self._rng.uniform(0.8, 1.2)
+
+    def _succeeded(self) -> None:
+        if self._failures_in_row:
+            logger.warning("latency store: Redis is back after %d failures", self._failures_in_row)
+        self._failures_in_row = 0
+        self._retry_at = -math.inf
+        self.last_ok_at = self._clock()
+
+    # -- background --
+
+    def _lat_key(self, tag: str, metric: str, index: int) -> str:
+        return f"{self._prefix}:lat:{{{tag}}}:{metric}:{int(index * self._slice_s)}"
+
+    def _cnt_key(self, tag: str, index: int) -> str:
+        return f"{self._prefix}:cnt:{{{tag}}}:{int(index * self._slice_s)}"
+
+    async def flush(self) -> None:
+        """Write pending counts in one pipeline; on failure keep them for the next flush."""
+        if self._pending_samples == 0 or not self._may_call():
+            return
+        lat, cnt = self._pending_lat, self._pending_cnt
+        fields, samples = self._pending_fields, self._pending_samples
+        self._pending_lat, self._pending_cnt = {}, {}
+        self._pending_fields = self._pending_samples = 0
+        now = self._clock()
+        try:
+            async with (
+                asyncio.timeout(self._timeout_s),
+                self._redis.pipeline(transaction=False) as pipe,
+            ):
+                for (tag, metric, index), buckets in lat.items():
+                    key = self._lat_key(tag, metric, index)
+                    for bucket, n in buckets.items():
+                        pipe.hincrby(key, str(bucket), n)
+                    pipe.expire(key, self._ttl_s)
+                tags: set[str] = set()
+                for (tag, index), counters in cnt.items():
+                    key = self._cnt_key(tag, index)
+                    for name, n in counters.items():
+                        pipe.hincrby(key, name, n)
+                    pipe.expire(key, self._ttl_s)
+                    tags.add(tag)
+                pipe.zadd(self._index_key, dict.fromkeys(tags, now))
+                pipe.zremrangebyscore(self._index_key, "-inf", now - self._ttl_s)
+                pipe.expire(self._index_key, self._ttl_s)
+                await pipe.execute()
+        except Exception as exc:  # fail open: whatever went wrong, requests must not notice
+            self.flush_failures += 1
+            self._failed(exc)
+            self._restore(lat, cnt, fields, samples)
+        else:
+            self._succeeded()
+
+    def _restore(
+        self,
+        lat: dict[tuple[str, Metric, int], dict[int, int]],
+        cnt: dict[tuple[str, int], dict[str, int]],
+        fields: int,
+        samples: int,
+    ) -> None:
+        if self._pending_fields + fields > self._max_pending_fields:
+            self.dropped_samples += samples
+            return
+        for where, buckets in lat.items():
+            for bucket, n in buckets.items():
+                self._bump(self._pending_lat, where, bucket, n)
+        for place, counters in cnt.items():
+            for name, n in counters.items():
+                self._bump(self._pending_cnt, place, name, n)
+        self._pending_samples += samples
+
+    async def refresh(self) -> Snapshot:
+        """Swap in a snapshot of the shared window, or of the local one while Redis is failing."""
+        if self._may_call():
+            try:
+                self._snapshot = await self._read()
+            except Exception as exc:  # fail open, as in flush
+                self.refresh_failures += 1
+                self._failed(exc)
+            else:
+                self._succeeded()
+                return self._snapshot
+        self._snapshot = self.local_snapshot("local-fallback")
+        return self._snapshot
+
+    async def _read(self) -> Snapshot:
+        now = self._clock()
+        window = self._windows.window(now)
+        async with asyncio.timeout(self._timeout_s):
+            listed = await self._redis.zrangebyscore(self._index_key, now - self._ttl_s, "+inf")
+            tags = (
+                self._windows.tags()
+                | self._inflight.keys()
+                | {_text(t) for t in listed if isinstance(t, str | bytes)}
+            )
+            order = sorted(tags)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for tag in order:
+                    for index in window:
+                        for metric in METRICS:
+                            pipe.hgetall(self._lat_key(tag, metric, index))
+                        pipe.hgetall(self._cnt_key(tag, index))
+                replies = iter(await pipe.execute())
+        merged: dict[str, _Counts] = {}
+        for tag in order:
+            counts = merged[tag] = _Counts(self.alpha)
+            for _ in window:
+                for metric in METRICS:
+                    sketch = counts.sketches[metric]
+                    for bucket, n in next(replies).items():
+                        sketch.add_key(int(bucket), int(n))
+                counters = {_text(k): int(v) for k, v in next(replies).items()}
+                counts.requests += counters.get("requests", 0)
+                counts.errors += counters.get("errors", 0)
+        return _snapshot(
+            merged,
+            self._inflight,
+            window_s=self.window_s,
+            min_samples=self.min_samples,
+            now=now,
+            source="redis",
+            alpha=self.alpha,
+        )
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "type": "redis",
+            "state": self.state,
+            "last_error": self.last_error,
+            "last_ok_at": self.last_ok_at,
+            "flush_failures": self.flush_failures,
+            "refresh_failures": self.refresh_failures,
+            "dropped_samples": self.dropped_samples,
+            "pending_fields": self._pending_fields,
+            "snapshot_source": self._snapshot.source,
+            "snapshot_age_s": self._age(),
+        }
+
+    async def aclose(self) -> None:
+        """A last best-effort flush, bounded by the store's timeout; ignores the breaker."""
+        self._retry_at = -math.inf
+        await self.flush()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@asynccontextmanager
+async def run_store(
+    store: LatencyStore, *, flush_every_s: float = 0.25, refresh_every_s: float = 1.0
+) -> AsyncIterator[LatencyStore]:
+    """Own the store's periodic flush and refresh tasks while the block runs.
+
+    The snapshot is refreshed once on entry. On exit both tasks are cancelled and awaited, then the
+    store makes a final flush. An exception in one round is logged and the loop carries on.
+    """
+    await _attempt(store.refresh, "refresh")
+    tasks = [
+        asyncio.create_task(_every(flush_every_s, store.flush, "flush"), name="latency-flush"),
+        asyncio.create_task(
+            _every(refresh_every_s, store.refresh, "refresh"), name="latency-refresh"
+        ),
+    ]
+    try:
+        yield store
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _attempt(store.flush, "final flush")
+
+
+async def _every(period_s: float, action: Callable[[], Awaitable[object]], what: str) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        await _attempt(action, what)
+
+
+async def _attempt(action: Callable[[], Awaitable[object]], what: str) -> None:
+    try:
+        await action()
+    except Exception:  # a bad round must not end the loop; the next one may succeed
+        logger.exception("latency store: %s failed", what)
