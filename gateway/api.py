@@ -38,7 +38,16 @@ from gateway.errors import (
     render,
     stream_error,
 )
-from gateway.latency import MemoryRecorder, Recorder, Sample
+from gateway.latency import (
+    FanOutRecorder,
+    LatencyStore,
+    MemoryLatencyStore,
+    Recorder,
+    RedisLatencyStore,
+    Sample,
+    connect_redis,
+    run_store,
+)
 from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
 from gateway.providers import open_providers
 from gateway.providers.base import Provider
@@ -61,7 +70,8 @@ class Services:
     models: dict[str, ModelSpec]  # by name
     chains: dict[str, list[ModelSpec]]  # by name: the model, then its fallbacks, transitively
     providers: dict[str, Provider]
-    recorder: Recorder
+    latency: LatencyStore  # rolling percentiles; the router reads its snapshot, never awaits it
+    recorder: Recorder  # where finished attempts go: the latency store (and any extra recorder)
     rng: random.Random
     started_at: float
 
@@ -313,6 +323,7 @@ class Proxy:
                         self._candidates,
                         headers=call.forward_headers,
                         recorder=services.recorder,
+                        inflight=services.latency,
                         ttft_budget_s=self._ttft_budget_s,
                     )
             except TimeoutError:
@@ -331,6 +342,7 @@ class Proxy:
             else:
                 await self._respond(opened, send)
         finally:
+            services.latency.finished(opened.candidate.id, opened.candidate.model)
             await opened.stream.aclose()
 
     def _response_headers(self, opened: Opened, content_type: bytes) -> list[tuple[bytes, bytes]]:
@@ -490,6 +502,25 @@ async def _send_error(send: Send, error: GatewayError, wire: Wire) -> None:
 # --- the app -------------------------------------------------------------------------------------
 
 
+async def _open_latency_store(settings: Settings, stack: AsyncExitStack) -> LatencyStore:
+    """The configured store, with its flush and refresh tasks running until `stack` closes."""
+    spec = settings.latency
+    store: LatencyStore
+    if spec.store == "redis":
+        assert spec.redis_url is not None  # checked by the config
+        redis = connect_redis(spec.redis_url.get_secret_value())
+        stack.push_async_callback(redis.aclose)  # after the store's final flush
+        store = RedisLatencyStore(
+            redis, window_s=spec.window_s, slice_s=spec.slice_s, min_samples=spec.min_samples
+        )
+    else:
+        store = MemoryLatencyStore(
+            window_s=spec.window_s, slice_s=spec.slice_s, min_samples=spec.min_samples
+        )
+    await stack.enter_async_context(run_store(store))
+    return store
+
+
 def create_app(settings: Settings, *, recorder: Recorder | None = None) -> FastAPI:
     """Build the gateway app for `settings`. Nothing is opened until its lifespan starts."""
 
@@ -497,12 +528,14 @@ def create_app(settings: Settings, *, recorder: Recorder | None = None) -> FastA
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         async with AsyncExitStack() as stack:
             providers = await open_providers(settings, stack)
+            latency = await _open_latency_store(settings, stack)
             services = Services(
                 settings=settings,
                 models={m.name: m for m in settings.models},
                 chains={m.name: fallback_chain(m, settings) for m in settings.models},
                 providers=providers,
-                recorder=recorder if recorder is not None else MemoryRecorder(),
+                latency=latency,
+                recorder=FanOutRecorder(recorder, latency) if recorder is not None else latency,
                 rng=random.Random(),
                 started_at=time.time(),
             )
@@ -546,6 +579,13 @@ def _add_routes(app: FastAPI) -> None:
             orjson.dumps({"object": "list", "data": data}), media_type="application/json"
         )
 
+    @app.get("/admin/latency")
+    async def admin_latency(request: Request) -> Response:
+        services: Services = request.state.services
+        return Response(
+            orjson.dumps(services.latency.snapshot.as_dict()), media_type="application/json"
+        )
+
     @app.get("/healthz")
     async def healthz() -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")
@@ -557,8 +597,8 @@ def _add_routes(app: FastAPI) -> None:
             "status": "ready",
             "providers": sorted(services.providers),
             "models": [m.name for m in services.settings.models],
-            # Statistics are kept in this process until the shared Redis store is in place.
-            "latency_store": {"type": services.settings.latency.store, "state": "local"},
+            # Still ready when the store is degraded: requests do not depend on it.
+            "latency_store": services.latency.health(),
         }
         return Response(orjson.dumps(body), media_type="application/json")
 

@@ -216,7 +216,17 @@ class MetricStats:
         return cls(p50, p90, p99, sketch.count, sketch.count >= min_samples)
 
     def as_dict(self) -> dict[str, float | int | None]:
-        return {"p50": self.p50, "p90": self.p90, "p99": self.p99, "count": self.count}
+        # The sketch is only good to ~2% anyway: three decimals of a millisecond is plenty.
+        return {
+            "p50": _ms(self.p50),
+            "p90": _ms(self.p90),
+            "p99": _ms(self.p99),
+            "count": self.count,
+        }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 @dataclass(frozen=True, slots=True)

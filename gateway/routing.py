@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.config import DeploymentSpec, ModelSpec, Settings
 from gateway.errors import (
@@ -29,6 +30,14 @@ from gateway.providers.request import Prepared, prepare
 NEXT_CANDIDATE_SHARE = 0.5
 """Without latency statistics, an attempt that has a successor gets this share of the remaining
 TTFT budget; the successor gets the rest."""
+
+
+class InflightTracker(Protocol):
+    """Counts upstream attempts in flight; the committed attempt's owner calls `finished`."""
+
+    def started(self, deployment: str, model: str | None = None) -> None: ...
+
+    def finished(self, deployment: str, model: str | None = None) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +170,7 @@ async def open_first(
     *,
     headers: dict[str, str],
     recorder: Recorder,
+    inflight: InflightTracker | None = None,
     ttft_budget_s: float | None = None,
 ) -> Opened:
     """Open candidates in order until one commits; the only place fallback happens.
@@ -178,6 +188,8 @@ async def open_first(
         attempts.append(attempt)
         prepared = prepare(call, candidate.provider, candidate.deployment.model, headers)
         stream: UpstreamStream | None = None
+        if inflight is not None:
+            inflight.started(candidate.id, candidate.model)
         try:
             remaining = None
             if ttft_budget_s is not None:
@@ -200,6 +212,8 @@ async def open_first(
             attempt.outcome = (
                 "ttft_deadline" if error.kind == "ttft_deadline" else f"error:{error.kind}"
             )
+            if inflight is not None:
+                inflight.finished(candidate.id, candidate.model)
             if stream is not None:
                 await stream.aclose()
             recorder.record(
@@ -218,6 +232,8 @@ async def open_first(
                 route = "ttft_failover" if error.kind == "ttft_deadline" else "error_fallback"
             continue
         except BaseException:
+            if inflight is not None:
+                inflight.finished(candidate.id, candidate.model)
             if stream is not None:
                 await stream.aclose()
             raise
