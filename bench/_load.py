@@ -43,6 +43,8 @@ from typing import Any, cast
 import httptools
 import orjson
 
+from gateway.sketch import nearest_rank
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _REQUEST_TIMEOUT_S = 30.0
 # A connection idle for longer is not reused: uvicorn closes idle ones after 5 s, and a request
@@ -111,7 +113,7 @@ def percentiles(values: Sequence[float]) -> dict[str, float | int]:
     n = len(ordered)
 
     def rank(q: float) -> float:
-        return ordered[min(n - 1, max(0, int(q * n + 0.999999) - 1))]
+        return ordered[nearest_rank(q, n) - 1]  # the gateway's one definition of nearest rank
 
     return {
         "count": n,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import random
 import time
 from collections import deque
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, TypeVar
 
+import orjson
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -181,6 +183,11 @@ class _Windows:
                 del slices[old]
             counts = slices[index] = _Counts(self.alpha)
         return counts
+
+    def peek(self, tag: str, index: int) -> _Counts | None:
+        """The counts of one slice, if this process has any (creates nothing)."""
+        slices = self._slices.get(tag)
+        return None if slices is None else slices.get(index)
 
     def tags(self) -> set[str]:
         return set(self._slices)
@@ -457,20 +464,25 @@ def connect_redis(url: str, *, timeout_s: float = 0.25, max_connections: int = 4
 class RedisLatencyStore(MemoryLatencyStore):
     """Latency shared by every replica through Redis, failing open to this process's own numbers.
 
-    `record` only touches memory: the local window (the fallback) and a buffer of pending counts.
-    `flush` writes the buffer in one pipeline of `HINCRBY`s; `refresh` reads the window's slices of
-    every known deployment and model back and merges them. Keys, one hash per slice:
-    `tg:lat:{<tag>}:<metric>:<slice start>` (fields: bucket keys) and `tg:cnt:{<tag>}:<slice start>`
-    (fields `requests`, `errors`), where the tag is the deployment name or `model:<name>`; the
-    `{...}` hash tag keeps each deployment's keys on one Redis Cluster node. Tags written in the
-    last window are listed in the sorted set `tg:lat:index`, so replicas learn each other's
-    deployments. (A deployment named `model:...` would be read as a model name.)
+    Layout: one hash per deployment (or model name) and time slice,
+    `tg:lat:{<tag>}:<slice start>`, with one field per replica holding that replica's running
+    totals for the slice (bucket counts of each metric, requests, errors), packed as JSON. The tag
+    is the deployment name or `model:<name>`; the `{...}` hash tag keeps each deployment's keys on
+    one Redis Cluster node. A replica only ever overwrites its own field with its latest totals, so
+    a write is idempotent (a retried or repeated flush cannot count twice), merging is addition over
+    the fields, and Redis work grows with deployments and slices, not with requests: one `HSET`
+    and `EXPIRE` per touched hash per flush (a `HINCRBY` per bucket would cost one command per
+    distinct bucket per flush, several per request at a few hundred requests a second). Tags
+    written in the last window are listed in the sorted set `tg:lat:index`, so replicas learn
+    each other's deployments.
 
-    Any Redis failure opens a breaker: Redis is left alone until a jittered, doubling backoff
-    expires, and meanwhile `refresh` serves the local window (`source="local-fallback"`). Counts
-    that failed to flush are kept for the next flush, up to `max_pending_fields`; beyond that new
-    samples are not shared (still counted locally) and are counted in `dropped_samples`. A flush
-    that fails after Redis applied it is retried, so shared counts are at-least-once.
+    `record` only touches memory (the local window, which is also the fallback). `flush` writes
+    the slices touched since the last flush in one pipeline; `refresh` reads the window back,
+    re-reading only the two newest slices once older ones are closed, and uses this replica's own
+    totals fresh from memory. Any Redis failure opens a breaker: Redis is left alone until a
+    jittered, doubling backoff expires, and meanwhile `refresh` serves the local window
+    (`source="local-fallback"`). Touched slices stay marked until a flush succeeds; a slice that
+    leaves the window before then is counted in `dropped_samples` (still counted locally).
 
     The store borrows `redis` (see `connect_redis`); the caller closes it after `aclose()`.
     """
@@ -489,9 +501,9 @@ class RedisLatencyStore(MemoryLatencyStore):
         timeout_s: float = 0.5,
         backoff_min_s: float = 0.5,
         backoff_max_s: float = 10.0,
-        max_pending_fields: int = 100_000,
         prefix: str = "tg",
         rng: random.Random | None = None,
+        replica: str | None = None,
     ) -> None:
         super().__init__(
             window_s=window_s, slice_s=slice_s, min_samples=min_samples, alpha=alpha, clock=clock
@@ -502,14 +514,13 @@ class RedisLatencyStore(MemoryLatencyStore):
         self._timeout_s = timeout_s
         self._backoff_min_s = backoff_min_s
         self._backoff_max_s = backoff_max_s
-        self._max_pending_fields = max_pending_fields
         self._prefix = prefix
         self._index_key = f"{prefix}:lat:index"
         self._rng = rng or random.Random()
-        self._pending_lat: dict[tuple[str, Metric, int], dict[int, int]] = {}
-        self._pending_cnt: dict[tuple[str, int], dict[str, int]] = {}
-        self._pending_fields = 0
-        self._pending_samples = 0
+        self.replica = replica or os.urandom(8).hex()
+        # (tag, slice) -> samples recorded there since its last successful flush
+        self._dirty: dict[tuple[str, int], int] = {}
+        self._closed: dict[tuple[str, int], _Counts] = {}  # merged slices no replica still writes
         self._failures_in_row = 0
         self._retry_at = -math.inf
         self.last_error: str | None = None
@@ -522,32 +533,16 @@ class RedisLatencyStore(MemoryLatencyStore):
 
     def record(self, sample: Sample) -> None:
         index = self._windows.slice_of(self._clock())
-        keyed = self._record_local(sample, index)
-        if self._pending_fields >= self._max_pending_fields:
-            self.dropped_samples += 1  # Redis has been unreachable for long: keep memory bounded
-            return
+        self._record_local(sample, index)
+        dirty = self._dirty
         for tag in _tags(sample):
-            for metric, key in keyed:
-                self._bump(self._pending_lat, (tag, metric, index), key, 1)
-            self._bump(self._pending_cnt, (tag, index), "requests", 1)
-            if not sample.ok:
-                self._bump(self._pending_cnt, (tag, index), "errors", 1)
-        self._pending_samples += 1
-
-    def _bump(self, pending: dict[_K, dict[_F, int]], where: _K, name: _F, n: int) -> None:
-        fields = pending.get(where)
-        if fields is None:
-            fields = pending[where] = {}
-        if name in fields:
-            fields[name] += n
-        else:
-            fields[name] = n
-            self._pending_fields += 1
+            place = (tag, index)
+            dirty[place] = dirty.get(place, 0) + 1
 
     @property
     def pending_fields(self) -> int:
-        """Hash fields waiting for the next flush (one `HINCRBY` each)."""
-        return self._pending_fields
+        """Hashes (deployment or model, slice) waiting for the next flush (one `HSET` each)."""
+        return len(self._dirty)
 
     # -- breaker --
 
@@ -575,66 +570,48 @@ class RedisLatencyStore(MemoryLatencyStore):
 
     # -- background --
 
-    def _lat_key(self, tag: str, metric: str, index: int) -> str:
-        return f"{self._prefix}:lat:{{{tag}}}:{metric}:{int(index * self._slice_s)}"
-
-    def _cnt_key(self, tag: str, index: int) -> str:
-        return f"{self._prefix}:cnt:{{{tag}}}:{int(index * self._slice_s)}"
+    def _key(self, tag: str, index: int) -> str:
+        return f"{self._prefix}:lat:{{{tag}}}:{int(index * self._slice_s)}"
 
     async def flush(self) -> None:
-        """Write pending counts in one pipeline; on failure keep them for the next flush."""
-        if self._pending_samples == 0 or not self._may_call():
+        """Write this replica's totals of every touched slice in one pipeline."""
+        if not self._dirty or not self._may_call():
             return
-        lat, cnt = self._pending_lat, self._pending_cnt
-        fields, samples = self._pending_fields, self._pending_samples
-        self._pending_lat, self._pending_cnt = {}, {}
-        self._pending_fields = self._pending_samples = 0
         now = self._clock()
+        window = self._windows.window(now)
+        dirty, self._dirty = self._dirty, {}
+        writes: list[tuple[str, int, bytes]] = []
+        for (tag, index), samples in dirty.items():
+            counts = self._windows.peek(tag, index)
+            if index < window.start or counts is None:
+                self.dropped_samples += samples  # the slice left the window before Redis was back
+                continue
+            writes.append((tag, index, _pack(counts)))
+        if not writes:
+            return
         try:
             async with (
                 asyncio.timeout(self._timeout_s),
                 self._redis.pipeline(transaction=False) as pipe,
             ):
-                for (tag, metric, index), buckets in lat.items():
-                    key = self._lat_key(tag, metric, index)
-                    for bucket, n in buckets.items():
-                        pipe.hincrby(key, str(bucket), n)
+                for tag, index, packed in writes:
+                    key = self._key(tag, index)
+                    pipe.hset(key, self.replica, packed)
+                    # Every write sets the TTL again: a Redis that restarted empty (or was
+                    # flushed) must not be left with keys that never expire.
                     pipe.expire(key, self._ttl_s)
-                tags: set[str] = set()
-                for (tag, index), counters in cnt.items():
-                    key = self._cnt_key(tag, index)
-                    for name, n in counters.items():
-                        pipe.hincrby(key, name, n)
-                    pipe.expire(key, self._ttl_s)
-                    tags.add(tag)
-                pipe.zadd(self._index_key, dict.fromkeys(tags, now))
+                pipe.zadd(self._index_key, dict.fromkeys({tag for tag, _, _ in writes}, now))
                 pipe.zremrangebyscore(self._index_key, "-inf", now - self._ttl_s)
                 pipe.expire(self._index_key, self._ttl_s)
                 await pipe.execute()
         except Exception as exc:  # fail open: whatever went wrong, requests must not notice
             self.flush_failures += 1
             self._failed(exc)
-            self._restore(lat, cnt, fields, samples)
+            for tag, index, _ in writes:
+                place = (tag, index)
+                self._dirty[place] = self._dirty.get(place, 0) + dirty[place]
         else:
             self._succeeded()
-
-    def _restore(
-        self,
-        lat: dict[tuple[str, Metric, int], dict[int, int]],
-        cnt: dict[tuple[str, int], dict[str, int]],
-        fields: int,
-        samples: int,
-    ) -> None:
-        if self._pending_fields + fields > self._max_pending_fields:
-            self.dropped_samples += samples
-            return
-        for where, buckets in lat.items():
-            for bucket, n in buckets.items():
-                self._bump(self._pending_lat, where, bucket, n)
-        for place, counters in cnt.items():
-            for name, n in counters.items():
-                self._bump(self._pending_cnt, place, name, n)
-        self._pending_samples += samples
 
     async def refresh(self) -> Snapshot:
         """Swap in a snapshot of the shared window, or of the local one while Redis is failing."""
@@ -653,32 +630,47 @@ class RedisLatencyStore(MemoryLatencyStore):
     async def _read(self) -> Snapshot:
         now = self._clock()
         window = self._windows.window(now)
+        # Replicas flush every fraction of a second: a slice two slices old gets no more writes,
+        # so it is read once and kept.
+        open_from = window.stop - 2
+        self._closed = {k: v for k, v in self._closed.items() if k[1] >= window.start}
         async with asyncio.timeout(self._timeout_s):
             listed = await self._redis.zrangebyscore(self._index_key, now - self._ttl_s, "+inf")
-            tags = (
+            tags = sorted(
                 self._windows.tags()
                 | self._inflight.keys()
                 | {_text(t) for t in listed if isinstance(t, str | bytes)}
             )
-            order = sorted(tags)
+            wanted = [
+                (tag, index)
+                for tag in tags
+                for index in window
+                if index >= open_from or (tag, index) not in self._closed
+            ]
             async with self._redis.pipeline(transaction=False) as pipe:
-                for tag in order:
-                    for index in window:
-                        for metric in METRICS:
-                            pipe.hgetall(self._lat_key(tag, metric, index))
-                        pipe.hgetall(self._cnt_key(tag, index))
-                replies = iter(await pipe.execute())
+                for tag, index in wanted:
+                    pipe.hgetall(self._key(tag, index))
+                replies = await pipe.execute()
+        fresh: dict[tuple[str, int], _Counts] = {}
+        for place, fields in zip(wanted, replies, strict=True):
+            others = _Counts(self.alpha)  # every replica but this one, whose totals are in memory
+            for replica, packed in fields.items():
+                if _text(replica) != self.replica:
+                    _unpack_into(others, packed)
+            if place[1] < open_from:
+                self._closed[place] = others
+            else:
+                fresh[place] = others
         merged: dict[str, _Counts] = {}
-        for tag in order:
-            counts = merged[tag] = _Counts(self.alpha)
-            for _ in window:
-                for metric in METRICS:
-                    sketch = counts.sketches[metric]
-                    for bucket, n in next(replies).items():
-                        sketch.add_key(int(bucket), int(n))
-                counters = {_text(k): int(v) for k, v in next(replies).items()}
-                counts.requests += counters.get("requests", 0)
-                counts.errors += counters.get("errors", 0)
+        for tag in tags:
+            total = merged[tag] = _Counts(self.alpha)
+            for index in window:
+                shared = (self._closed if index < open_from else fresh).get((tag, index))
+                if shared is not None:
+                    total.merge(shared)
+                mine = self._windows.peek(tag, index)
+                if mine is not None:
+                    total.merge(mine)
         return _snapshot(
             merged,
             self._inflight,
@@ -698,7 +690,7 @@ class RedisLatencyStore(MemoryLatencyStore):
             "flush_failures": self.flush_failures,
             "refresh_failures": self.refresh_failures,
             "dropped_samples": self.dropped_samples,
-            "pending_fields": self._pending_fields,
+            "pending_fields": self.pending_fields,
             "snapshot_source": self._snapshot.source,
             "snapshot_age_s": self._age(),
         }
@@ -707,6 +699,31 @@ class RedisLatencyStore(MemoryLatencyStore):
         """A last best-effort flush, bounded by the store's timeout; ignores the breaker."""
         self._retry_at = -math.inf
         await self.flush()
+
+
+def _pack(counts: _Counts) -> bytes:
+    """A replica's totals for one slice, as stored in its hash field."""
+    return orjson.dumps(
+        {
+            "r": counts.requests,
+            "e": counts.errors,
+            **{metric: sketch.buckets for metric, sketch in counts.sketches.items()},
+        },
+        option=orjson.OPT_NON_STR_KEYS,
+    )
+
+
+def _unpack_into(counts: _Counts, packed: str | bytes) -> None:
+    try:
+        data = orjson.loads(packed)
+        counts.requests += int(data.get("r", 0))
+        counts.errors += int(data.get("e", 0))
+        for metric in METRICS:
+            sketch = counts.sketches[metric]
+            for key, n in (data.get(metric) or {}).items():
+                sketch.add_key(int(key), int(n))
+    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+        logger.warning("latency store: ignoring a malformed entry in Redis")
 
 
 def _text(value: str | bytes) -> str:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
-from collections.abc import AsyncIterator, Callable
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -21,7 +24,9 @@ from gateway.sim.server import create_sim_app
 @asynccontextmanager
 async def serve(app: Any) -> AsyncIterator[str]:
     """Run an ASGI app under uvicorn on an ephemeral loopback port; yield its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: only then does asyncio set TCP_NODELAY on accepted connections
+    # (without it, Nagle's algorithm stalls keep-alive requests by ~40 ms).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(
@@ -92,3 +97,73 @@ def one_model(upstream_url: str, upstream_model: str = "m", **model: Any) -> Set
         {"up": {"type": "vllm", "base_url": upstream_url}},
         [{"name": "m", "deployments": [{"provider": "up", "model": upstream_model}], **model}],
     )
+
+
+# --- a throwaway Redis --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A throwaway redis-server on loopback that a test can kill and start again on its port."""
+
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the server (again, after `kill`) on the same port; return once it answers PING."""
+        if self.process is not None:
+            raise RuntimeError("redis-server is already running")
+        self.process = process = subprocess.Popen(
+            [
+                self.binary,
+                *("--port", str(self.port), "--bind", "127.0.0.1"),
+                *("--save", "", "--appendonly", "no"),  # nothing written to disk
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:  # bounded wait for the server to answer PING
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL, as in a crash); what it held is lost."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    stop = kill
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh, empty redis-server on a free loopback port, killed when the test ends."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed: the Redis store tests need a real server")
+    server = RedisServer(binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

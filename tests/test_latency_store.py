@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,6 +22,7 @@ from gateway.latency import (
     connect_redis,
     run_store,
 )
+from tests.conftest import RedisServer
 
 
 class Clock:
@@ -202,64 +199,6 @@ async def test_run_store_refreshes_in_the_background_and_stops_cleanly() -> None
 # --- Redis store --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class RedisServer:
-    """A throwaway redis-server on loopback that a test can stop and start again."""
-
-    def __init__(self, binary: str) -> None:
-        self.binary = binary
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                self.binary,
-                *("--port", str(self.port), "--bind", "127.0.0.1"),
-                *("--save", "", "--appendonly", "no"),  # nothing written to disk
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:  # bounded wait for the server to answer PING
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-            self.process = None
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed: the Redis store tests need a real server")
-    server = RedisServer(binary)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @asynccontextmanager
 async def client(url: str) -> AsyncIterator[Redis]:
     redis = connect_redis(url)
@@ -306,22 +245,37 @@ async def test_a_replica_sees_what_another_flushed(redis_server: RedisServer) ->
         same_numbers(shared, a.local_snapshot())
 
 
-async def test_flush_batches_one_hincrby_per_touched_field(redis_server: RedisServer) -> None:
-    """1,000 samples of one deployment cost one HINCRBY per touched field, in one flush."""
+async def test_flush_costs_commands_per_hash_not_per_sample(redis_server: RedisServer) -> None:
+    """1,000 samples of one deployment cost one HSET and one EXPIRE per touched hash, in one
+    flush: Redis work grows with deployments and slices, not with requests."""
     clock = Clock()
     async with client(redis_server.url) as redis:
         store = replica(redis, clock)
         for i in range(1000):
             store.record(ok("d1", "chat", ttft_ms=100 + (i % 200)))
-        touched = store.pending_fields
-        assert touched < 200  # ~20 TTFT buckets, ~30 total buckets, 1 TPOT, 1 counter; x2 tags
+        assert store.pending_fields == 2  # one slice of the deployment and one of the model
         await redis.config_resetstat()
         await store.flush()
         commands = await redis.info("commandstats")
-        assert commands["cmdstat_hincrby"]["calls"] == touched
-        assert commands["cmdstat_expire"]["calls"] == 2 * (3 + 1) + 1  # 2 tags x 4 keys + index
+        assert commands["cmdstat_hset"]["calls"] == 2
+        assert commands["cmdstat_expire"]["calls"] == 2 + 1  # both hashes and the index
+        assert "cmdstat_hincrby" not in commands
+        await store.flush()  # nothing new: nothing sent
+        assert (await redis.info("commandstats"))["cmdstat_hset"]["calls"] == 2
         shared = await store.refresh()
         assert shared.deployments["d1"].requests == 1000
+
+
+async def test_repeated_flushes_never_count_twice(redis_server: RedisServer) -> None:
+    """A replica rewrites its own running totals, so flushing again (or retrying) adds nothing."""
+    clock = Clock()
+    async with client(redis_server.url) as ra, client(redis_server.url) as rb:
+        a, b = replica(ra, clock), replica(rb, clock)
+        for _ in range(10):
+            a.record(ok("d1", "chat", ttft_ms=100))
+            await a.flush()
+            await a.flush()
+        assert (await b.refresh()).deployments["d1"].requests == 10
 
 
 async def test_redis_down_falls_back_fast_and_recovers(redis_server: RedisServer) -> None:
@@ -336,7 +290,7 @@ async def test_redis_down_falls_back_fast_and_recovers(redis_server: RedisServer
         await a.flush()
         assert (await a.refresh()).source == "redis"
 
-        redis_server.stop()
+        redis_server.kill()
         for _ in range(30):
             a.record(ok("d1", "chat", ttft_ms=700))
         for _ in range(3):  # the first call fails fast; the next ones skip Redis (breaker open)
@@ -352,7 +306,7 @@ async def test_redis_down_falls_back_fast_and_recovers(redis_server: RedisServer
         assert snapshot.deployments["d1"].ttft.count == 50
         assert a.health()["state"] == "degraded"
         pending = a.pending_fields
-        assert pending > 0
+        assert pending == 2  # the slice of d1 and of its model, waiting for Redis
 
         redis_server.start()
         async with asyncio.timeout(1.0):
@@ -364,27 +318,35 @@ async def test_redis_down_falls_back_fast_and_recovers(redis_server: RedisServer
         assert a.last_ok_at == clock.now
         assert a.pending_fields == 0
         assert (await a.refresh()).source == "redis"
-        shared = await b.refresh()  # the restarted server lost what it held before; not ours
-        assert shared.deployments["d1"].ttft.count == 30
+        # The restarted server came back empty; A rewrote its running totals for the slice,
+        # so what it recorded before the outage is shared again too.
+        shared = await b.refresh()
+        assert shared.deployments["d1"].ttft.count == 50
         assert shared.deployments["d1"].ttft.p50 == pytest.approx(700, rel=0.02)
         assert a.dropped_samples == 0
 
 
-async def test_pending_counts_are_capped_while_redis_is_down(redis_server: RedisServer) -> None:
-    """Past max_pending_fields new samples are no longer buffered for Redis, and are counted."""
+async def test_slices_that_leave_the_window_unshared_are_counted(
+    redis_server: RedisServer,
+) -> None:
+    """Samples whose slice left the window before Redis came back are counted as dropped (from
+    sharing only: local numbers still had them while they were in the window)."""
     clock = Clock()
     async with client(redis_server.url) as redis:
-        store = replica(redis, clock, max_pending_fields=20)
-        redis_server.stop()
+        store = replica(redis, clock)
+        redis_server.kill()
         for i in range(100):
             store.record(ok("d1", "chat", ttft_ms=10 + i * 10))
-        assert store.pending_fields < 40  # the cap plus at most one sample's fields
-        assert store.dropped_samples > 50
         async with asyncio.timeout(1.0):
             await store.flush()
         assert store.state == "degraded"
-        # Local numbers still have everything.
         assert (await store.refresh()).deployments["d1"].ttft.count == 100
+        redis_server.start()
+        clock.now += 61  # a minute later the slice is out of the window
+        await store.refresh()  # refreshing prunes the old slice locally: the count must survive
+        await store.flush()
+        assert store.state == "ok"
+        assert store.dropped_samples == 200  # each sample counted once per tag it was shared under
 
 
 async def test_aclose_flushes_what_is_pending(redis_server: RedisServer) -> None:
@@ -392,7 +354,7 @@ async def test_aclose_flushes_what_is_pending(redis_server: RedisServer) -> None
     clock = Clock()
     async with client(redis_server.url) as ra, client(redis_server.url) as rb:
         a, b = replica(ra, clock), replica(rb, clock)
-        redis_server.stop()
+        redis_server.kill()
         a.record(ok())
         await a.flush()
         redis_server.start()

@@ -15,7 +15,7 @@ LIBRARY_OWNERS = {
     "starlette": {"gateway.api"},
     "uvicorn": {"gateway.cli", "gateway.sim.server"},
     "httpx": set(),
-    "aiohttp": {"gateway.providers.http"},
+    "aiohttp": {"gateway.providers.http", "gateway.probe"},
     "redis": {"gateway.latency"},
     "opentelemetry": {"gateway.telemetry", "gateway.api"},
     "typer": {"gateway.cli"},
