@@ -77,11 +77,14 @@ def serve(
         "access_log": False,
         "log_level": log_level,
         "timeout_graceful_shutdown": 30,
+        "proxy_headers": False,  # the gateway is the edge; X-Forwarded-* is not trusted blindly
     }
     if count == 1:
-        from gateway.api import create_app
+        from gateway.api import create_app, tune_gc
 
-        uvicorn.run(create_app(settings), **options)
+        app = create_app(settings)
+        tune_gc()
+        uvicorn.run(app, **options)
         return
     # Workers are separate processes: each loads the same (already validated) file.
     os.environ[CONFIG_PATH_ENV] = str(config_path(config).resolve())

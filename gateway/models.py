@@ -86,6 +86,7 @@ class UpstreamRequest:
     body: bytes
     stream: bool
     headers: dict[str, str] = field(default_factory=dict)  # x-request-id, traceparent, ...
+    passthrough: bool = False  # events reach the client untouched: decode only what is needed
 
 
 @dataclass(slots=True)

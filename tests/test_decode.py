@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.models import Chunk, InBandError, Usage
+from gateway.models import Chunk, InBandError, SSEEvent, Usage
 from gateway.providers.decode import (
     AnthropicStreamDecoder,
     OpenAIStreamDecoder,
@@ -601,3 +601,41 @@ def test_anthropic_stream_malformed_events_raise(stream: bytes) -> None:
     """Events missing the fields their type requires raise UpstreamProtocolError."""
     with pytest.raises(UpstreamProtocolError):
         anthropic_events(stream)
+
+
+LAZY_CASES = [
+    b'{"id":"1","choices":[{"index":0,"delta":{"content":"Hello"},"finish_reason":null}]}',
+    b'{"id":"1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}],"usage":null}',
+    b'{"id":"1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
+    b'{"id":"1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5}}',
+    b'{"id":"1","choices":[{"index":0,"delta":{"content":"say \\"error\\" now"}}]}',
+    b'{"id":"1","choices":[{"index":0,"delta":{"content":"x"}},{"index":1,"delta":{"content":"y"}}]}',
+    b'{"id":"1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]}}]}',
+    b'{"id":"1","choices":[{"index":0,"delta":{"content":null,"reasoning_content":"hmm"}}]}',
+    b'{"error":{"message":"overloaded","type":"server_error","code":"x"}}',
+    b'{"id":"1","choices":[{"index":0,"text":"completion text","finish_reason":null}]}',
+]
+
+
+@pytest.mark.parametrize("data", LAZY_CASES)
+def test_lazy_decoder_classifies_like_the_full_one(data: bytes) -> None:
+    """Skipping the parse for plain content events never changes how an event is classified."""
+    event = SSEEvent(raw=b"data: " + data + b"\n\n", data=data)
+    full = OpenAIStreamDecoder().decode(event)
+    lazy = OpenAIStreamDecoder(lazy=True).decode(event)
+    assert (lazy.content, lazy.tokens, lazy.finish_reason, lazy.usage, lazy.error, lazy.done) == (
+        full.content,
+        full.tokens,
+        full.finish_reason,
+        full.usage,
+        full.error,
+        full.done,
+    )
+    assert lazy.raw == full.raw
+
+
+def test_lazy_decoder_skips_parsing_plain_content() -> None:
+    """The common content event is recognised from its bytes alone (no parsed data)."""
+    data = LAZY_CASES[0]
+    chunk = OpenAIStreamDecoder(lazy=True).decode(SSEEvent(raw=data, data=data))
+    assert (chunk.content, chunk.tokens, chunk.data) == (True, 1, None)

@@ -76,8 +76,8 @@ class Decoder(Protocol):
     def decode(self, event: SSEEvent) -> Chunk: ...
 
 
-def stream_decoder(wire: Wire) -> Decoder:
-    return AnthropicStreamDecoder() if wire == "anthropic" else OpenAIStreamDecoder()
+def stream_decoder(wire: Wire, *, lazy: bool = False) -> Decoder:
+    return AnthropicStreamDecoder() if wire == "anthropic" else OpenAIStreamDecoder(lazy=lazy)
 
 
 def decode_body(wire: Wire, body: bytes) -> Chunk:
@@ -119,6 +119,7 @@ class ChunkStream:
         translate: TranslateError,
         status: int = 200,
         upstream_request_id: str | None = None,
+        lazy: bool = False,
     ) -> None:
         self._deployment = deployment
         self._wire = wire
@@ -129,7 +130,7 @@ class ChunkStream:
         self._closed = False
         self._body_read = False
         self._parser = SSEParser()
-        self._decoder = stream_decoder(wire)
+        self._decoder = stream_decoder(wire, lazy=lazy)
         self.status = status
         self.upstream_request_id = upstream_request_id
 

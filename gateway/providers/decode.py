@@ -134,9 +134,17 @@ def _message_has_content(message: dict[str, Any]) -> bool:
 
 
 class OpenAIStreamDecoder:
-    """Classify the SSE events of an OpenAI-compatible chat or completions stream (incl. vLLM)."""
+    """Classify the SSE events of an OpenAI-compatible chat or completions stream (incl. vLLM).
 
-    __slots__ = ()
+    With `lazy`, for a stream forwarded to an OpenAI client byte for byte, the common event (one
+    choice whose delta carries some text and nothing else of interest) is recognised from its
+    bytes without being parsed, and comes with `data=None`; every other event is parsed.
+    """
+
+    __slots__ = ("_lazy",)
+
+    def __init__(self, *, lazy: bool = False) -> None:
+        self._lazy = lazy
 
     def decode(self, event: SSEEvent) -> Chunk:
         """One chunk per event; raises UpstreamProtocolError for data that is not a JSON object."""
@@ -145,11 +153,41 @@ class OpenAIStreamDecoder:
             return Chunk(raw=event.raw)  # a keep-alive comment or an empty event
         if data == _DONE:
             return Chunk(raw=event.raw, done=True)
+        if self._lazy and event.event is None and _plain_content(data):
+            return Chunk(raw=event.raw, content=True, tokens=1)
         obj = _parse_object(data, "stream event")
         try:
             return _openai_stream_chunk(event, obj)
         except (AttributeError, KeyError, TypeError):
             raise UpstreamProtocolError(f"malformed stream event: {_snippet(data)!r}") from None
+
+
+_CONTENT = b'"content":"'
+# Anything that needs the parsed event: errors, usage, a finish, tool calls, reasoning, refusals,
+# completions text, or several choices.
+_NEEDS_PARSING = (
+    b'"error"',
+    b'"usage":{',
+    b'"finish_reason":"',
+    b'"tool_calls"',
+    b'"reasoning',
+    b'"refusal":"',
+    b'"text":',
+    b'"function_call"',
+)
+
+
+def _plain_content(data: bytes) -> bool:
+    """Whether an event is, by its bytes, one choice with non-empty text content and nothing else.
+
+    Conservative: a marker inside a string cannot match, since JSON escapes quotes in strings.
+    """
+    start = data.find(_CONTENT)
+    if start < 0 or data[start + len(_CONTENT) : start + len(_CONTENT) + 1] == b'"':
+        return False  # no content, or an empty string
+    if data.count(b'"delta":') != 1 or data[:1] != b"{":
+        return False
+    return not any(marker in data for marker in _NEEDS_PARSING)
 
 
 def _openai_stream_chunk(event: SSEEvent, obj: dict[str, Any]) -> Chunk:

@@ -164,6 +164,7 @@ class HTTPProvider:
             close=reader.close,
             translate=lambda exc: self._error(deployment, exc),
             status=response.status,
+            lazy=request.passthrough,
             upstream_request_id=response.headers.get("x-request-id")
             or response.headers.get("request-id"),
         )

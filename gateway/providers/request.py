@@ -91,7 +91,10 @@ def _prepare(
                 if upstream_model == call.model
                 else orjson.dumps({**call.body, "model": upstream_model})
             )
-        request = UpstreamRequest(call.endpoint, body, stream, headers)
+        # OpenAI events reach an OpenAI client untouched: most need not even be parsed.
+        request = UpstreamRequest(
+            call.endpoint, body, stream, headers, passthrough=call.wire == "openai"
+        )
         return Prepared(request, translator, _raw_body)
 
     if call.wire == "openai":  # OpenAI chat to an Anthropic upstream

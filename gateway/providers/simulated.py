@@ -85,6 +85,7 @@ class SimulatedProvider:
             close=close,
             translate=translate,
             status=reply.status,
+            lazy=request.passthrough,
         )
 
 
