@@ -53,6 +53,8 @@ from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
 from gateway.providers import open_providers
 from gateway.providers.base import Provider
 from gateway.routing import Candidate, Opened, fallback_chain, open_first, plan
+from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.telemetry import LatencyStoreCollector, Registry, exposition, make_registry
 from gateway.validate import parse_call
 
 log = logging.getLogger("tailguard")
@@ -75,6 +77,7 @@ class Services:
     recorder: Recorder  # where finished attempts go: the latency store (and any extra recorder)
     rng: random.Random
     started_at: float
+    metrics: Registry | None = None  # what GET /metrics exposes
 
 
 # --- the edge middleware: request id and arrival time on every request ---------------------------
@@ -547,6 +550,12 @@ def create_app(settings: Settings, *, recorder: Recorder | None = None) -> ASGIA
                 rng=random.Random(),
                 started_at=time.time(),
             )
+            services.metrics = make_registry(
+                LatencyStoreCollector(
+                    latency.health,
+                    lambda: {d: s.inflight for d, s in latency.snapshot.deployments.items()},
+                )
+            )
             yield {"services": services}
 
     app = FastAPI(
@@ -592,6 +601,12 @@ def _add_routes(app: FastAPI) -> None:
         return Response(
             orjson.dumps(services.latency.snapshot.as_dict()), media_type="application/json"
         )
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        services: Services = request.state.services
+        assert services.metrics is not None
+        return Response(exposition(services.metrics), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -18,6 +18,7 @@ LIBRARY_OWNERS = {
     "aiohttp": {"gateway.providers.http", "gateway.probe"},
     "redis": {"gateway.latency"},
     "opentelemetry": {"gateway.telemetry", "gateway.api"},
+    "prometheus_client": {"gateway.telemetry"},
     "typer": {"gateway.cli"},
     "rich": {"gateway.cli"},
 }
@@ -29,6 +30,7 @@ FORBIDDEN = {
     "gateway.errors": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.config"),
     "gateway.sse": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.config"),
     "gateway.latency": ("gateway.api", "gateway.routing", "gateway.providers"),
+    "gateway.telemetry": ("gateway.api", "gateway.routing", "gateway.providers"),
     "gateway.sim": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.config"),
     "gateway.providers": ("gateway.api", "gateway.routing"),
     "gateway.routing": ("gateway.api",),
