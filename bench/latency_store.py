@@ -49,7 +49,6 @@ try:  # `python -m bench.latency_store` or `python bench/latency_store.py`
         pinning,
         request_body,
         sigterm_as_interrupt,
-        start_upstream,
         wait_ready,
     )
 except ImportError:
@@ -63,7 +62,6 @@ except ImportError:
         pinning,
         request_body,
         sigterm_as_interrupt,
-        start_upstream,
         wait_ready,
     )
 
@@ -71,6 +69,14 @@ DEFAULT_JSON = ROOT / "bench" / "results" / "latency_store.json"
 TOKENS = 20
 # Commands the benchmark itself sends while measuring: not the gateway's.
 OWN_COMMANDS = {"info", "config|resetstat", "config", "ping"}
+
+
+def start_upstream(stack: Stack, port: int, tokens: int) -> subprocess.Popen[bytes]:
+    command = [str(VENV_BIN / "tailguard"), "sim", "--port", str(port), "--seed", "1"]
+    command += ["--set", f"output_tokens={tokens}"]
+    child = stack.start("upstream", command, "upstream.log")
+    wait_ready(f"http://127.0.0.1:{port}/health", child, stack.logs / "upstream.log")
+    return child
 
 
 def start_redis(stack: Stack, port: int) -> subprocess.Popen[bytes]:

@@ -116,6 +116,11 @@ class EdgeMiddleware:
         if request_id is None:
             request_id = "req_" + os.urandom(12).hex()
         scope["tailguard.request_id"] = request_id
+        endpoint = LLM_ROUTES.get(scope["path"])
+        if endpoint is not None and scope["method"] == "POST":
+            # These responses carry the request id themselves: no wrapper on every streamed event.
+            await serve_llm(scope, receive, send, endpoint)
+            return
         header = (b"x-request-id", request_id.encode())
 
         async def send_with_id(message: Message) -> None:
@@ -126,10 +131,6 @@ class EdgeMiddleware:
                 message["headers"] = headers
             await send(message)
 
-        endpoint = LLM_ROUTES.get(scope["path"])
-        if endpoint is not None and scope["method"] == "POST":
-            await serve_llm(scope, receive, send_with_id, endpoint)
-            return
         await self.app(scope, receive, send_with_id)
 
 
@@ -229,13 +230,14 @@ async def serve_llm(scope: Scope, receive: Receive, send: Send, endpoint: Endpoi
     try:
         proxy = await _admit(scope, receive, endpoint)
     except GatewayError as error:
-        await _send_error(send, error, wire)
+        await _send_error(send, error, wire, scope["tailguard.request_id"])
         return
     except ClientGoneError:
         return
     except Exception:
         log.exception("unhandled error while admitting a request to %s", scope["path"])
-        await _send_error(send, GatewayError("The gateway failed to process the request."), wire)
+        failure = GatewayError("The gateway failed to process the request.")
+        await _send_error(send, failure, wire, scope["tailguard.request_id"])
         return
     await proxy(scope, receive, send)
 
@@ -338,7 +340,7 @@ class Proxy:
         except GatewayError as error:
             if isinstance(error, ProviderError) or error.status >= 500:
                 log.warning("request %s failed: %s", call.request_id, error.message)
-            await _send_error(send, error, call.wire)
+            await _send_error(send, error, call.wire, call.request_id)
             return
         try:
             if call.stream:
@@ -366,6 +368,7 @@ class Proxy:
         timing.append(f"{stage};dur={(committed - self._t0) * 1000:.1f}")
         headers = [
             (b"content-type", content_type),
+            (b"x-request-id", self._call.request_id.encode()),
             (b"x-tailguard-model", opened.candidate.model.encode()),
             (b"x-tailguard-deployment", opened.candidate.id.encode()),
             (b"x-tailguard-route", opened.route.encode()),
@@ -498,9 +501,13 @@ class Proxy:
         )
 
 
-async def _send_error(send: Send, error: GatewayError, wire: Wire) -> None:
+async def _send_error(send: Send, error: GatewayError, wire: Wire, request_id: str) -> None:
     body = render(error, wire)
-    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode())]
+    headers = [
+        (b"content-type", _JSON),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode()),
+    ]
     headers += [(k.encode(), v.encode()) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
