@@ -292,6 +292,7 @@ class Proxy:
         self._ttft_budget_s = ttft_budget_s
         self._total_budget_s = total_budget_s
         self._client_gone = False
+        self._responded = False  # the last byte went out: a disconnect now is just the end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -310,8 +311,9 @@ class Proxy:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                self._client_gone = True
-                task.cancel()
+                if not self._responded:
+                    self._client_gone = True
+                    task.cancel()
                 return
 
     async def _serve(self, send: Send) -> None:
@@ -341,6 +343,7 @@ class Proxy:
             if isinstance(error, ProviderError) or error.status >= 500:
                 log.warning("request %s failed: %s", call.request_id, error.message)
             await _send_error(send, error, call.wire, call.request_id)
+            self._responded = True
             return
         try:
             if call.stream:
@@ -388,6 +391,7 @@ class Proxy:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        self._responded = True
         ended = time.perf_counter()
         tally = opened.tally
         self._services.recorder.record(
@@ -474,6 +478,7 @@ class Proxy:
             )
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._responded = True
         self._record_stream(
             opened, ok=failure is None, error=failure.code if failure is not None else None
         )

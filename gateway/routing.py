@@ -216,6 +216,8 @@ async def open_first(
                 inflight.finished(candidate.id, candidate.model)
             if stream is not None:
                 await stream.aclose()
+            if not error.retryable:
+                raise  # the request itself was refused: not the deployment's failure
             recorder.record(
                 Sample(
                     candidate.id,
@@ -225,8 +227,6 @@ async def open_first(
                     error=error.kind,
                 )
             )
-            if not error.retryable:
-                raise
             errors.append(error)
             if route == "primary":
                 route = "ttft_failover" if error.kind == "ttft_deadline" else "error_fallback"
