@@ -211,17 +211,48 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _forward_headers(scope: Scope, request_id: str) -> dict[str, str]:
-    headers = {"x-request-id": request_id}
+TTFT_BUDGET_HEADER = "x-tailguard-ttft-budget-ms"
+TOTAL_BUDGET_HEADER = "x-tailguard-total-budget-ms"
+_MAX_BUDGET_MS = 3_600_000
+
+
+@dataclass(slots=True)
+class RequestHeaders:
+    """What the gateway reads from a request's headers, in one pass."""
+
+    forward: dict[str, str]  # sent upstream as-is
+    ttft_budget_ms: int | None = None
+    total_budget_ms: int | None = None
+
+
+def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
+    """Raises InvalidRequestError naming a budget header whose value is not a positive integer."""
+    found = RequestHeaders({"x-request-id": request_id})
     for name, value in scope["headers"]:
         if name == b"traceparent":
             traceparent = value.decode("latin-1")
             if _TRACEPARENT.match(traceparent):
-                headers["traceparent"] = traceparent
+                found.forward["traceparent"] = traceparent
         elif name == b"anthropic-beta":
             # Feature flags of Anthropic's API: only ever sent to Anthropic upstreams.
-            headers["anthropic-beta"] = value.decode("latin-1")
-    return headers
+            found.forward["anthropic-beta"] = value.decode("latin-1")
+        elif name == b"x-tailguard-ttft-budget-ms":
+            found.ttft_budget_ms = _budget(TTFT_BUDGET_HEADER, value)
+        elif name == b"x-tailguard-total-budget-ms":
+            found.total_budget_ms = _budget(TOTAL_BUDGET_HEADER, value)
+    return found
+
+
+def _budget(header: str, value: bytes) -> int:
+    text = value.decode("latin-1").strip()
+    if not text.isdigit() or not 0 < int(text) <= _MAX_BUDGET_MS:
+        raise InvalidRequestError(
+            f"Invalid '{header}': expected a whole number of milliseconds between 1 and "
+            f"{_MAX_BUDGET_MS}, got {text[:40]!r}.",
+            param=header,
+            code="invalid_header",
+        )
+    return int(text)
 
 
 async def serve_llm(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
@@ -254,17 +285,28 @@ async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
             param="model",
         )
     call.request_id = scope["tailguard.request_id"]
-    call.forward_headers = _forward_headers(scope, call.request_id)
+    headers = read_headers(scope, call.request_id)
+    call.forward_headers = headers.forward
+    # A budget header overrides the model's configured budget.
+    ttft_ms = headers.ttft_budget_ms or spec.budget.ttft_ms
+    total_ms = headers.total_budget_ms or spec.budget.total_ms
+    if ttft_ms is not None and total_ms is not None and ttft_ms > total_ms:
+        raise InvalidRequestError(
+            f"The TTFT budget ({ttft_ms} ms) exceeds the total budget ({total_ms} ms).",
+            param=TTFT_BUDGET_HEADER if headers.ttft_budget_ms else TOTAL_BUDGET_HEADER,
+            code="invalid_header",
+        )
     candidates = plan(services.chains[spec.name], services.providers, call, services.rng)
     # A non-streaming answer's first token is its whole body: only the total budget applies.
-    budget = spec.budget.ttft_ms if call.stream and spec.on_ttft_miss != "none" else None
+    if not call.stream or spec.on_ttft_miss == "none":
+        ttft_ms = None
     return Proxy(
         services,
         call,
         candidates,
         scope["tailguard.t0"],
-        ttft_budget_s=budget / 1000 if budget else None,
-        total_budget_s=(spec.budget.total_ms / 1000 if spec.budget.total_ms else None),
+        ttft_budget_s=ttft_ms / 1000 if ttft_ms else None,
+        total_budget_s=total_ms / 1000 if total_ms else None,
     )
 
 

@@ -583,3 +583,67 @@ async def test_fallbacks_are_followed_transitively(
     assert resp.status_code == 200
     assert resp.headers["x-tailguard-model"] == "c"
     assert resp.headers["x-tailguard-attempts"] == "3"
+
+
+# --- per-request budgets -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "param"),
+    [
+        ({"x-tailguard-ttft-budget-ms": "soon"}, "x-tailguard-ttft-budget-ms"),
+        ({"x-tailguard-ttft-budget-ms": "0"}, "x-tailguard-ttft-budget-ms"),
+        ({"x-tailguard-total-budget-ms": "-5"}, "x-tailguard-total-budget-ms"),
+        ({"x-tailguard-total-budget-ms": "99999999999"}, "x-tailguard-total-budget-ms"),
+        (
+            {"x-tailguard-ttft-budget-ms": "900", "x-tailguard-total-budget-ms": "500"},
+            "x-tailguard-ttft-budget-ms",
+        ),
+    ],
+)
+async def test_invalid_budget_header_is_a_400_naming_it(
+    upstream: Upstream, client: httpx.AsyncClient, headers: dict[str, str], param: str
+) -> None:
+    """A budget header that is not a sensible number of milliseconds is refused, by name."""
+    async with run_gateway(one_model(upstream.base_url)) as gw:
+        resp = await client.post(gw.base_url + "/chat/completions", json=chat(), headers=headers)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_header")
+    assert upstream.stats.requests == 0
+
+
+async def test_ttft_budget_header_overrides_the_config(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A request's TTFT budget header replaces the model's: a stalled primary is cut by it."""
+    settings = two_deployments(
+        upstream, "slow@stall_rate=1", budget={"ttft_ms": 60_000}, on_ttft_miss="failover"
+    )
+    async with run_gateway(settings) as gw:
+        started = time.perf_counter()
+        resp = await client.post(
+            gw.base_url + "/chat/completions",
+            json=chat(stream=True),
+            headers={"x-tailguard-ttft-budget-ms": "300"},
+        )
+        elapsed = time.perf_counter() - started
+    assert resp.status_code == 200
+    assert resp.headers["x-tailguard-route"] == "ttft_failover"
+    assert elapsed < 5.0  # the configured 60 s budget would have waited far longer
+
+
+async def test_total_budget_header_bounds_a_non_streaming_request(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A total budget header gives a 504 when no answer comes in time, and frees the upstream."""
+    async with run_gateway(one_model(upstream.base_url, "m@stall_rate=1")) as gw:
+        resp = await client.post(
+            gw.base_url + "/chat/completions",
+            json=chat(),
+            headers={"x-tailguard-total-budget-ms": "200"},
+        )
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "budget_exceeded"
+    async with asyncio.timeout(5):
+        await upstream.stats.wait_for(lambda s: s.cancelled == 1)
