@@ -21,7 +21,6 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -73,7 +72,7 @@ class Services:
     models: dict[str, ModelSpec]  # by name
     chains: dict[str, list[ModelSpec]]  # by name: the model, then its fallbacks, transitively
     providers: dict[str, Provider]
-    latency: LatencyStore  # rolling percentiles; the router reads its snapshot, never awaits it
+    latency: LatencyStore  # rolling percentiles; read through its snapshot, never awaited
     recorder: Recorder  # where finished attempts go: the latency store (and any extra recorder)
     rng: random.Random
     started_at: float
@@ -150,19 +149,6 @@ def error_response(error: GatewayError, wire: Wire) -> Response:
     )
 
 
-async def _gateway_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, GatewayError)
-    return error_response(exc, _wire_of(request.url.path))
-
-
-async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0] if exc.errors() else {}
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    error = InvalidRequestError(str(first.get("msg", "Invalid request.")), param=param)
-    return error_response(error, _wire_of(request.url.path))
-
-
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     error = GatewayError(
@@ -191,7 +177,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole body, refusing it as soon as it is known to exceed `limit` bytes."""
     for name, value in scope["headers"]:
         if name == b"content-length":
-            if value.isdigit() and int(value) > limit:
+            if value.isdigit() and (len(value) > 15 or int(value) > limit):
                 raise BodyTooLargeError(f"The request body exceeds the limit of {limit} bytes.")
             break
     parts: list[bytes] = []
@@ -245,7 +231,9 @@ def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
 
 def _budget(header: str, value: bytes) -> int:
     text = value.decode("latin-1").strip()
-    if not text.isdigit() or not 0 < int(text) <= _MAX_BUDGET_MS:
+    if not (text.isascii() and text.isdigit() and len(text) <= 7) or not (
+        0 < int(text) <= _MAX_BUDGET_MS
+    ):
         raise InvalidRequestError(
             f"Invalid '{header}': expected a whole number of milliseconds between 1 and "
             f"{_MAX_BUDGET_MS}, got {text[:40]!r}.",
@@ -290,12 +278,15 @@ async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
     # A budget header overrides the model's configured budget.
     ttft_ms = headers.ttft_budget_ms or spec.budget.ttft_ms
     total_ms = headers.total_budget_ms or spec.budget.total_ms
-    if ttft_ms is not None and total_ms is not None and ttft_ms > total_ms:
+    asked_ttft, asked_total = headers.ttft_budget_ms, headers.total_budget_ms
+    if asked_ttft and asked_total and asked_ttft > asked_total:
         raise InvalidRequestError(
-            f"The TTFT budget ({ttft_ms} ms) exceeds the total budget ({total_ms} ms).",
-            param=TTFT_BUDGET_HEADER if headers.ttft_budget_ms else TOTAL_BUDGET_HEADER,
+            f"The TTFT budget ({asked_ttft} ms) exceeds the total budget ({asked_total} ms).",
+            param=TTFT_BUDGET_HEADER,
             code="invalid_header",
         )
+    if ttft_ms is not None and total_ms is not None:
+        ttft_ms = min(ttft_ms, total_ms)  # a tighter total budget also tightens the first token
     candidates = plan(services.chains[spec.name], services.providers, call, services.rng)
     # A non-streaming answer's first token is its whole body: only the total budget applies.
     if not call.stream or spec.on_ttft_miss == "none":
@@ -334,6 +325,7 @@ class Proxy:
         self._ttft_budget_s = ttft_budget_s
         self._total_budget_s = total_budget_s
         self._client_gone = False
+        self._started = False  # the status line went out: errors must now be in-band
         self._responded = False  # the last byte went out: a disconnect now is just the end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -343,11 +335,29 @@ class Proxy:
         try:
             await self._serve(send)
         except asyncio.CancelledError:
-            if not self._client_gone:
+            # The client left: nothing is wrong with the server, unless something else (a
+            # shutdown) asked for cancellation too.
+            if not (self._client_gone and task.uncancel() == 0):
                 raise
-            task.uncancel()  # the client left: nothing is wrong with the server
+        except Exception:
+            log.exception("request %s failed inside the gateway", self._call.request_id)
+            await self._fail(send)
         finally:
             watcher.cancel()
+
+    async def _fail(self, send: Send) -> None:
+        """Answer an unexpected failure in the client's wire: a 500 before the status was sent,
+        an error event after it (never a silently cut stream)."""
+        if self._responded:
+            return
+        self._responded = True
+        if self._started:
+            cut = StreamInterruptedError("The gateway failed while relaying the response.")
+            body = stream_error(cut, self._call.wire)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        else:
+            error = GatewayError("The gateway failed to process the request.")
+            await _send_error(send, error, self._call.wire, self._call.request_id)
 
     async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         while True:
@@ -421,8 +431,9 @@ class Proxy:
             (b"x-tailguard-overhead-ms", f"{overhead_ms:.3f}".encode()),
             (b"server-timing", ", ".join(timing).encode()),
         ]
-        if opened.stream.upstream_request_id:
-            headers.append((b"x-upstream-request-id", opened.stream.upstream_request_id.encode()))
+        upstream_id = opened.stream.upstream_request_id
+        if upstream_id and _REQUEST_ID.match(upstream_id):  # never echo arbitrary bytes
+            headers.append((b"x-upstream-request-id", upstream_id.encode()))
         if len(opened.attempts) > 1:
             headers.append((b"x-should-retry", b"false"))
         return headers
@@ -431,6 +442,7 @@ class Proxy:
         body = b"".join(opened.head)
         headers = self._response_headers(opened, _JSON)
         headers.append((b"content-length", str(len(body)).encode()))
+        self._started = True
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         self._responded = True
@@ -451,6 +463,7 @@ class Proxy:
         call = self._call
         headers = self._response_headers(opened, _SSE)
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        self._started = True
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         tally = opened.tally
         translate = opened.prepared.stream.feed
@@ -619,8 +632,6 @@ def create_app(settings: Settings, *, recorder: Recorder | None = None) -> ASGIA
         docs_url=None,
         redoc_url=None,
     )
-    app.add_exception_handler(GatewayError, _gateway_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
     _add_routes(app)

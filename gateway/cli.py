@@ -63,6 +63,17 @@ def serve(
     bind_port = settings.server.port if port is None else port
     count = workers or settings.server.workers
     names = ", ".join(m.name for m in settings.models)
+    if settings.auth is not None and settings.auth.keys:
+        err.print(
+            "[yellow]warning:[/] auth keys are configured but not enforced in this version",
+            highlight=False,
+        )
+    if bind_host not in ("127.0.0.1", "localhost", "::1"):
+        err.print(
+            f"[yellow]warning:[/] listening on {escape(bind_host)} without authentication: "
+            "anyone who can reach this port can use every configured model",
+            highlight=False,
+        )
     err.print(
         f"Tailguard on http://{bind_host}:{bind_port}  ({count} worker{'s' if count > 1 else ''}; "
         f"latency store: {settings.latency.store}; models: {names})",
@@ -101,7 +112,7 @@ def check_config(config: ConfigOption = None) -> None:
         providers.add_column(column)
     for name, spec in settings.providers.items():
         key = "set (hidden)" if spec.api_key and spec.api_key.get_secret_value() else "-"
-        providers.add_row(escape(name), spec.type, escape(spec.base_url or "(in-process)"), key)
+        providers.add_row(escape(name), spec.type, escape(_without_userinfo(spec.base_url)), key)
     models = Table(title="Models", title_justify="left")
     for column in ("model", "deployments", "budget", "fallbacks", "on_ttft_miss"):
         models.add_column(column)
@@ -124,10 +135,12 @@ def check_config(config: ConfigOption = None) -> None:
         )
     out.print(providers)
     out.print(models)
+    keys = settings.auth is not None and bool(settings.auth.keys)
+    auth = "configured (not enforced in this version)" if keys else "off"
     out.print(
         f"server {settings.server.host}:{settings.server.port}, "
         f"latency store {settings.latency.store} (window {settings.latency.window_s} s), "
-        f"auth {'on' if settings.auth and settings.auth.keys else 'off'}",
+        f"auth {auth}",
         highlight=False,
     )
     out.print(f"[green]{config_path(config)}: OK[/]")
@@ -410,6 +423,17 @@ def probe(
         )
     if len(failed) == len(results):
         raise typer.Exit(code=1)  # nothing was measured
+
+
+def _without_userinfo(url: str | None) -> str:
+    """A URL as printable: credentials embedded in it (`user:pass@`) are masked."""
+    if url is None:
+        return "(in-process)"
+    scheme, sep, rest = url.partition("://")
+    host, at, path = rest.partition("@")
+    if at and "/" not in host:
+        return f"{scheme}{sep}***@{path}"
+    return url
 
 
 def main() -> None:

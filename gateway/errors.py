@@ -6,6 +6,7 @@
     ├── UnknownModelError             404 invalid_request_error, code model_not_found
     ├── OverloadedError               503 (retry-after)
     ├── BudgetExceededError           504 the total budget ran out before commit
+    ├── StreamInterruptedError        in-band only: the upstream failed after the first byte
     ├── ProviderError                 502 one upstream attempt failed before commit (retryable)
     │   ├── ProviderTimeoutError      504
     │   ├── RateLimitedError          429 (retry-after)
@@ -13,7 +14,7 @@
     │   └── ProviderRejectedError     400/413/422 from upstream: the request itself is bad (final)
     └── AllCandidatesFailedError      504 if all timed out, 429 if all rate limited, else 502
 
-Exceptions from libraries (httpx, redis) are translated where they are caught, never here.
+Exceptions from libraries (aiohttp, redis) are translated where they are caught, never here.
 Messages made by the gateway name the deployment and never carry a credential; `scrub` removes
 key-like strings from text that came from elsewhere.
 """

@@ -21,15 +21,15 @@ from gateway.errors import (
     ProviderError,
     ProviderTimeoutError,
 )
-from gateway.latency import Recorder, Sample
+from gateway.latency import TTFT_DEADLINE, Recorder, Sample
 from gateway.models import Call, Chunk, Usage
 from gateway.providers import can_serve
 from gateway.providers.base import Provider, UpstreamStream, inband_error
 from gateway.providers.request import Prepared, prepare
 
 NEXT_CANDIDATE_SHARE = 0.5
-"""Without latency statistics, an attempt that has a successor gets this share of the remaining
-TTFT budget; the successor gets the rest."""
+"""An attempt that has a successor gets this share of the remaining TTFT budget; the successor
+gets the rest. (Routing on each candidate's observed p99 TTFT is the next step.)"""
 
 
 class InflightTracker(Protocol):
@@ -186,7 +186,13 @@ async def open_first(
         started = time.perf_counter()
         attempt = Attempt(candidate.id, candidate.model, started)
         attempts.append(attempt)
-        prepared = prepare(call, candidate.provider, candidate.deployment.model, headers)
+        try:
+            prepared = prepare(call, candidate.provider, candidate.deployment.model, headers)
+        except InvalidRequestError:
+            if index == 0:
+                raise  # the first choice cannot take the request: the request is at fault
+            attempts.pop()  # a fallback that cannot express this request is skipped
+            continue
         stream: UpstreamStream | None = None
         if inflight is not None:
             inflight.started(candidate.id, candidate.model)
@@ -205,12 +211,12 @@ async def open_first(
                 raise ProviderTimeoutError(
                     f"no first token within the {round((ttft_budget_s or 0) * 1000)} ms budget",
                     deployment=candidate.id,
-                    kind="ttft_deadline",
+                    kind=TTFT_DEADLINE,
                 ) from None
         except ProviderError as error:
             attempt.ended = time.perf_counter()
             attempt.outcome = (
-                "ttft_deadline" if error.kind == "ttft_deadline" else f"error:{error.kind}"
+                TTFT_DEADLINE if error.kind == TTFT_DEADLINE else f"error:{error.kind}"
             )
             if inflight is not None:
                 inflight.finished(candidate.id, candidate.model)
@@ -229,7 +235,7 @@ async def open_first(
             )
             errors.append(error)
             if route == "primary":
-                route = "ttft_failover" if error.kind == "ttft_deadline" else "error_fallback"
+                route = "ttft_failover" if error.kind == TTFT_DEADLINE else "error_fallback"
             continue
         except BaseException:
             if inflight is not None:
@@ -251,12 +257,11 @@ async def _until_first_token(
     """Read until the first content token (or the end); raise on an in-band error before it."""
     head: list[bytes] = []
     tally = Tally()
-    translate = prepared.stream.feed if _is_streaming(stream) else prepared.body
+    translate = prepared.stream.feed if stream.streaming else prepared.body
     while True:
         batch = await stream.read()
         if batch is None:
-            if tally.finish_reasons or not _is_streaming(stream):
-                # A complete answer without content (e.g. max_tokens=0) still commits.
+            if not stream.streaming:
                 return _opened(candidate, stream, prepared, head, [], tally, ended=True)
             raise ProviderError(
                 "the stream ended before the first token",
@@ -269,7 +274,7 @@ async def _until_first_token(
                 raise inband_error(candidate.id, chunk.error, candidate.provider.secrets)
             tally.add(chunk, now)
             head.append(translate(chunk))
-            if chunk.content or chunk.done or not _is_streaming(stream):
+            if chunk.content or chunk.done or not stream.streaming:
                 return _opened(
                     candidate,
                     stream,
@@ -277,12 +282,8 @@ async def _until_first_token(
                     head,
                     batch[index + 1 :],
                     tally,
-                    ended=chunk.done or not _is_streaming(stream),
+                    ended=chunk.done or not stream.streaming,
                 )
-
-
-def _is_streaming(stream: UpstreamStream) -> bool:
-    return getattr(stream, "streaming", True)
 
 
 def _opened(

@@ -647,3 +647,79 @@ async def test_total_budget_header_bounds_a_non_streaming_request(
     assert resp.json()["error"]["code"] == "budget_exceeded"
     async with asyncio.timeout(5):
         await upstream.stats.wait_for(lambda s: s.cancelled == 1)
+
+
+class ScriptedStream(Scripted):
+    """An upstream that answers every request with one scripted SSE body."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await super().__call__(scope, receive, send)
+            return
+        while (await receive()).get("more_body"):
+            pass
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+async def test_unexpected_failure_is_answered_in_the_client_wire(
+    client: httpx.AsyncClient,
+) -> None:
+    """A failure inside the gateway (here: garbage usage counts that translation cannot add) is
+    answered in the client's error shape, never as a bare text 500."""
+    events = (
+        b'data: {"id":"1","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+        b'data: {"id":"1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+        b'data: {"id":"1","choices":[],"usage":{"prompt_tokens":"12","completion_tokens":[]}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    fake = ScriptedStream(200, events)
+    body = {"model": "m", "max_tokens": 5, "stream": True, "messages": CHAT["messages"]}
+    async with serve(fake) as url, run_gateway(one_model(url + "/v1")) as gw:
+        resp = await client.post(gw.base_url + "/messages", json=body)
+    if resp.status_code == 200:  # failed after the stream began: an error event ends it
+        assert resp.text.rstrip().splitlines()[-1].startswith("data: {")
+        assert "event: error" in resp.text
+    else:
+        assert resp.status_code == 500
+        assert resp.json()["type"] == "error"
+
+
+async def test_stream_answered_with_a_json_body_is_not_relayed(client: httpx.AsyncClient) -> None:
+    """An upstream that answers a streaming request with a plain JSON body fails the attempt."""
+    fake = Scripted(200, b'{"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}]}')
+    async with serve(fake) as url, run_gateway(one_model(url + "/v1")) as gw:
+        resp = await client.post(gw.base_url + "/chat/completions", json=chat(stream=True))
+    assert resp.status_code == 502
+    assert "without a stream" in resp.json()["error"]["message"]
+
+
+async def test_budget_headers_with_odd_digits_are_400(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """Unicode digits and absurdly long numbers in a budget header are a 400, not a 500."""
+    async with run_gateway(one_model(upstream.base_url)) as gw:
+        for value in ("\u00b2".encode(), b"1" * 5000):
+            resp = await client.post(
+                gw.base_url + "/chat/completions",
+                json=chat(),
+                headers={"x-tailguard-ttft-budget-ms": value},
+            )
+            assert resp.status_code == 400
+
+
+async def test_total_budget_header_tightens_a_configured_ttft_budget(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A total budget header below the model's configured TTFT budget is accepted (the TTFT
+    deadline shrinks to fit), not refused."""
+    settings = one_model(upstream.base_url, budget={"ttft_ms": 800, "total_ms": 10_000})
+    async with run_gateway(settings) as gw:
+        for stream in (False, True):
+            resp = await client.post(
+                gw.base_url + "/chat/completions",
+                json=chat(stream=stream),
+                headers={"x-tailguard-total-budget-ms": "500"},
+            )
+            assert resp.status_code == 200

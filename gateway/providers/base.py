@@ -41,6 +41,7 @@ class UpstreamStream(Protocol):
     """An open upstream response. Whoever opened it must `aclose()` it, on every path."""
 
     status: int
+    streaming: bool  # an SSE stream (else one chunk holding the whole body)
     upstream_request_id: str | None
 
     async def read(self) -> list[Chunk] | None:
@@ -90,8 +91,8 @@ TranslateError = Callable[[BaseException], ProviderError | None]
 
 
 class ChunkStream:
-    """Turns upstream bytes into chunks. `close` releases the upstream connection (closing it when
-    the response was not read to its end, so the upstream sees the client leave)."""
+    """Turns upstream bytes into chunks. `aclose()` releases the upstream connection (closing it
+    when the response was not read to its end, so the upstream sees the client leave)."""
 
     __slots__ = (
         "_body_read",

@@ -16,7 +16,8 @@ import aiohttp
 from gateway.config import ProviderSpec
 from gateway.errors import ProviderError, ProviderTimeoutError, scrub
 from gateway.models import Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, status_error
+from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, inband_error, status_error
+from gateway.providers.decode import anthropic_error, openai_error
 
 _OPENAI_PATHS: Final[dict[Endpoint, str]] = {
     "chat": "/chat/completions",
@@ -67,6 +68,16 @@ def translate_client_error(deployment: str, exc: BaseException) -> ProviderError
             kind="connection_error",
         )
     return None
+
+
+async def _read_up_to(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """At most `limit` bytes of a body, read to its end (one read returns only what is buffered)."""
+    parts: list[bytes] = []
+    size = 0
+    while size < limit and (data := await response.content.read(limit - size)):
+        parts.append(data)
+        size += len(data)
+    return b"".join(parts)
 
 
 class _Body:
@@ -139,13 +150,23 @@ class HTTPProvider:
             if error is None:
                 raise
             raise error from None
-        if response.status >= 300:
+        streaming = response.headers.get("content-type", "").startswith("text/event-stream")
+        if response.status >= 300 or (request.stream and not streaming):
             try:
-                body = await response.content.read(MAX_ERROR_BYTES)
+                body = await _read_up_to(response, MAX_ERROR_BYTES)
             except (TimeoutError, aiohttp.ClientError, OSError):
                 body = b""
             finally:
                 response.close()
+            if response.status < 300:  # asked for a stream, got a body: an in-band error?
+                found = openai_error(body) if self.wire == "openai" else anthropic_error(body)
+                if found is not None:
+                    raise inband_error(deployment, found, self.secrets)
+                raise ProviderError(
+                    "upstream answered a streaming request without a stream",
+                    deployment=deployment,
+                    kind="invalid_response",
+                )
             raise status_error(
                 deployment=deployment,
                 wire=self.wire,
@@ -158,8 +179,7 @@ class HTTPProvider:
         return ChunkStream(
             deployment=deployment,
             wire=self.wire,
-            streaming=request.stream
-            and response.headers.get("content-type", "").startswith("text/event-stream"),
+            streaming=request.stream,
             read=reader.read,
             close=reader.close,
             translate=lambda exc: self._error(deployment, exc),
