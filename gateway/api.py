@@ -480,6 +480,7 @@ class Proxy:
         try:
             while True:
                 out = [body] if body else []
+                now = time.perf_counter()  # one clock read per network read, not per event
                 for chunk in pending:
                     if chunk.error is not None:
                         failure = StreamInterruptedError(
@@ -487,7 +488,7 @@ class Proxy:
                             f"{chunk.error.message[:300]}"
                         )
                         break
-                    tally.add(chunk, time.perf_counter())
+                    tally.add(chunk, now)
                     out.append(translate(chunk))
                     if chunk.done:
                         finished = True

@@ -47,10 +47,6 @@ class Prepared:
     body: Callable[[Chunk], bytes]  # non-streaming response body in the client's wire format
 
 
-def _raw_body(chunk: Chunk) -> bytes:
-    return chunk.raw
-
-
 def prepare(
     call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]
 ) -> Prepared:
@@ -95,7 +91,7 @@ def _prepare(
         request = UpstreamRequest(
             call.endpoint, body, stream, headers, passthrough=call.wire == "openai"
         )
-        return Prepared(request, translator, _raw_body)
+        return Prepared(request, translator, _RAW.feed)  # a body, like an event, is forwarded as-is
 
     if call.wire == "openai":  # OpenAI chat to an Anthropic upstream
         translated = chat_request_to_anthropic(call.body)
