@@ -51,7 +51,17 @@ from gateway.latency import (
 from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
 from gateway.providers import open_providers
 from gateway.providers.base import Provider
-from gateway.routing import Candidate, Opened, fallback_chain, open_first, plan
+from gateway.routing import (
+    Budget,
+    Guards,
+    Opened,
+    Plan,
+    Policy,
+    candidates,
+    fallback_chain,
+    open_first,
+    plan,
+)
 from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.telemetry import LatencyStoreCollector, Registry, exposition, make_registry
 from gateway.validate import parse_call
@@ -74,6 +84,7 @@ class Services:
     providers: dict[str, Provider]
     latency: LatencyStore  # rolling percentiles; read through its snapshot, never awaited
     recorder: Recorder  # where finished attempts go: the latency store (and any extra recorder)
+    guards: Guards  # cooldowns, retry budget, hedge cap
     rng: random.Random
     started_at: float
     metrics: Registry | None = None  # what GET /metrics exposes
@@ -209,6 +220,7 @@ class RequestHeaders:
     forward: dict[str, str]  # sent upstream as-is
     ttft_budget_ms: int | None = None
     total_budget_ms: int | None = None
+    client_retry: bool = False  # the client SDK says this is its own retry: do not hedge it
 
 
 def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
@@ -226,6 +238,8 @@ def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
             found.ttft_budget_ms = _budget(TTFT_BUDGET_HEADER, value)
         elif name == b"x-tailguard-total-budget-ms":
             found.total_budget_ms = _budget(TOTAL_BUDGET_HEADER, value)
+        elif name == b"x-stainless-retry-count":
+            found.client_retry = value.strip() not in (b"", b"0")
     return found
 
 
@@ -287,18 +301,31 @@ async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
         )
     if ttft_ms is not None and total_ms is not None:
         ttft_ms = min(ttft_ms, total_ms)  # a tighter total budget also tightens the first token
-    candidates = plan(services.chains[spec.name], services.providers, call, services.rng)
     # A non-streaming answer's first token is its whole body: only the total budget applies.
-    if not call.stream or spec.on_ttft_miss == "none":
+    if not call.stream:
         ttft_ms = None
-    return Proxy(
-        services,
-        call,
-        candidates,
-        scope["tailguard.t0"],
-        ttft_budget_s=ttft_ms / 1000 if ttft_ms else None,
-        total_budget_s=total_ms / 1000 if total_ms else None,
+    budget = Budget(
+        ttft_s=ttft_ms / 1000 if ttft_ms else None,
+        total_s=total_ms / 1000 if total_ms else None,
+        on_ttft_miss=spec.on_ttft_miss,
+        rescue_share=(
+            spec.hedge_max_fraction
+            if spec.on_ttft_miss == "hedge"
+            else services.settings.routing.retry_budget.percent / 100
+        ),
     )
+    snapshot = services.latency.snapshot
+    found = candidates(services.chains[spec.name], services.providers, call, services.rng, snapshot)
+    chosen = plan(found, call, budget, cooling=services.guards.cooldowns.cooling())
+    policy = Policy(
+        model=spec.name,
+        arrived=scope["tailguard.t0"],
+        ttft_s=budget.ttft_s,
+        on_ttft_miss=spec.on_ttft_miss,
+        hedge_fraction=spec.hedge_max_fraction,
+        may_hedge=not headers.client_retry,
+    )
+    return Proxy(services, call, chosen, policy, budget.total_s)
 
 
 class Proxy:
@@ -312,17 +339,15 @@ class Proxy:
         self,
         services: Services,
         call: Call,
-        candidates: list[Candidate],
-        t0: float,
-        *,
-        ttft_budget_s: float | None,
+        plan: Plan,
+        policy: Policy,
         total_budget_s: float | None,
     ) -> None:
         self._services = services
         self._call = call
-        self._candidates = candidates
-        self._t0 = t0
-        self._ttft_budget_s = ttft_budget_s
+        self._plan = plan
+        self._policy = policy
+        self._t0 = policy.arrived
         self._total_budget_s = total_budget_s
         self._client_gone = False
         self._started = False  # the status line went out: errors must now be in-band
@@ -332,6 +357,8 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(self._watch(receive, task))
+        retries = self._services.guards.retries
+        retries.active += 1
         try:
             await self._serve(send)
         except asyncio.CancelledError:
@@ -343,6 +370,7 @@ class Proxy:
             log.exception("request %s failed inside the gateway", self._call.request_id)
             await self._fail(send)
         finally:
+            retries.active -= 1
             watcher.cancel()
 
     async def _fail(self, send: Send) -> None:
@@ -380,11 +408,13 @@ class Proxy:
                 async with asyncio.timeout(remaining):
                     opened = await open_first(
                         call,
-                        self._candidates,
+                        self._plan,
+                        self._policy,
                         headers=call.forward_headers,
                         recorder=services.recorder,
+                        guards=services.guards,
+                        snapshot=services.latency.snapshot,
                         inflight=services.latency,
-                        ttft_budget_s=self._ttft_budget_s,
                     )
             except TimeoutError:
                 budget_ms = round((self._total_budget_s or 0) * 1000)
@@ -404,6 +434,8 @@ class Proxy:
                 await self._respond(opened, send)
         finally:
             services.latency.finished(opened.candidate.id, opened.candidate.model)
+            if opened.hedge_for is not None:
+                services.guards.hedges.release(opened.hedge_for)
             await opened.stream.aclose()
 
     def _response_headers(self, opened: Opened, content_type: bytes) -> list[tuple[bytes, bytes]]:
@@ -456,6 +488,7 @@ class Proxy:
                 total_s=ended - opened.started,
                 input_tokens=tally.usage.input_tokens,
                 output_tokens=tally.output_tokens,
+                hedge_for=opened.hedge_for,
             )
         )
 
@@ -558,6 +591,7 @@ class Proxy:
                 input_tokens=tally.usage.input_tokens,
                 output_tokens=tokens,
                 error=error,
+                hedge_for=opened.hedge_for,
             )
         )
 
@@ -615,6 +649,7 @@ def create_app(settings: Settings, *, recorder: Recorder | None = None) -> ASGIA
                 providers=providers,
                 latency=latency,
                 recorder=FanOutRecorder(recorder, latency) if recorder is not None else latency,
+                guards=Guards(settings.routing.cooldown, settings.routing.retry_budget),
                 rng=random.Random(),
                 started_at=time.time(),
             )
@@ -664,9 +699,11 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/admin/latency")
     async def admin_latency(request: Request) -> Response:
         services: Services = request.state.services
-        return Response(
-            orjson.dumps(services.latency.snapshot.as_dict()), media_type="application/json"
-        )
+        body = services.latency.snapshot.as_dict()
+        for deployment, until in services.guards.cooldowns.until_wall().items():
+            if deployment in body["deployments"]:
+                body["deployments"][deployment]["cooldown_until"] = round(until, 3)
+        return Response(orjson.dumps(body), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

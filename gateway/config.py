@@ -99,10 +99,18 @@ class ProviderSpec(_Spec):
         return self
 
 
+class PriorSpec(_Spec):
+    """What to assume about a deployment until its own statistics are trusted."""
+
+    ttft_ms: Annotated[float, Field(gt=0)] | None = None  # expected p99 time to first token
+    tpot_ms: Annotated[float, Field(gt=0)] | None = None  # expected p99 time per output token
+
+
 class DeploymentSpec(_Spec):
     provider: Annotated[str, Field(pattern=_NAME)]
     model: Annotated[str, Field(min_length=1)]
     weight: Annotated[float, Field(gt=0)] = 1.0
+    prior: PriorSpec | None = None
 
     @property
     def id(self) -> str:
@@ -145,6 +153,33 @@ class ModelSpec(_Spec):
         if self.name in self.fallbacks:
             raise ValueError("a model cannot be its own fallback")
         return self
+
+
+class CooldownSpec(_Spec):
+    """The per-deployment circuit breaker."""
+
+    failures: Annotated[int, Field(ge=1)] = 3  # consecutive failures that open it
+    base_s: Annotated[float, Field(gt=0)] = 5.0  # first cooldown; doubles each time it reopens
+    max_s: Annotated[float, Field(gt=0)] = 60.0  # cap, also on an upstream's retry-after
+
+    @model_validator(mode="after")
+    def _ordered(self) -> CooldownSpec:
+        if self.base_s > self.max_s:
+            raise ValueError("base_s exceeds max_s")
+        return self
+
+
+class RetryBudgetSpec(_Spec):
+    """Failovers in flight are capped at `percent` of active requests, but never below
+    `min_concurrent` (Envoy's retry budget)."""
+
+    percent: Annotated[float, Field(ge=0, le=100)] = 20.0
+    min_concurrent: Annotated[int, Field(ge=0)] = 3
+
+
+class RoutingSpec(_Spec):
+    cooldown: CooldownSpec = CooldownSpec()
+    retry_budget: RetryBudgetSpec = RetryBudgetSpec()
 
 
 class KeySpec(_Spec):
@@ -193,6 +228,7 @@ class Settings(BaseSettings):
     latency: LatencySpec = LatencySpec()
     providers: dict[Annotated[str, Field(pattern=_NAME)], ProviderSpec]
     models: Annotated[tuple[ModelSpec, ...], Field(min_length=1)]
+    routing: RoutingSpec = RoutingSpec()
     auth: AuthSpec | None = None
 
     @classmethod

@@ -5,6 +5,7 @@
     ├── BodyTooLargeError             413 invalid_request_error
     ├── UnknownModelError             404 invalid_request_error, code model_not_found
     ├── OverloadedError               503 (retry-after)
+    │   └── CoolingDownError          503 every candidate deployment is in cooldown
     ├── BudgetExceededError           504 the total budget ran out before commit
     ├── StreamInterruptedError        in-band only: the upstream failed after the first byte
     ├── ProviderError                 502 one upstream attempt failed before commit (retryable)
@@ -21,6 +22,7 @@ key-like strings from text that came from elsewhere.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -68,8 +70,14 @@ class OverloadedError(GatewayError):
     status, type, code = 503, "server_error", "overloaded"
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
-        super().__init__(message, headers={"retry-after": str(max(1, round(retry_after_s)))})
+        super().__init__(message, headers={"retry-after": str(max(1, math.ceil(retry_after_s)))})
         self.retry_after_s = retry_after_s
+
+
+class CoolingDownError(OverloadedError):
+    """Every deployment that could serve the request is in cooldown after failures."""
+
+    code = "deployments_cooling_down"
 
 
 class BudgetExceededError(GatewayError):

@@ -67,7 +67,8 @@ class Sample:
     tpot_s: float | None = None  # mean time per output token after the first
     input_tokens: int | None = None
     output_tokens: int | None = None
-    error: str | None = None  # why the attempt failed (low-cardinality), when not ok
+    error: str | None = None  # why the attempt ended early (low-cardinality), when not ok
+    hedge_for: str | None = None  # a hedge, started for a request to this model name
 
 
 class Recorder(Protocol):
@@ -109,6 +110,9 @@ METRICS: tuple[Metric, ...] = ("ttft", "tpot", "total")
 TTFT_DEADLINE = (
     "ttft_deadline"  # `Sample.error` of an attempt whose first token missed its deadline
 )
+HEDGE_LOST = "hedge_lost"  # the waited-on attempt a hedge beat: censored at its cancellation
+CANCELLED = "cancelled"  # an attempt nobody needed any more (a hedge that lost, a client gone)
+NOT_FAILURES = frozenset({HEDGE_LOST, CANCELLED})  # ended early, but not the deployment's fault
 Source = Literal["memory", "redis", "local-fallback"]
 _MODEL_TAG = "model:"  # hash-tag prefix of per-model keys; deployments are tagged by bare name
 
@@ -116,9 +120,9 @@ _MODEL_TAG = "model:"  # hash-tag prefix of per-model keys; deployments are tagg
 def observations(sample: Sample) -> list[tuple[Metric, float]]:
     """The latencies (ms) a sample contributes.
 
-    A failed attempt contributes none (it is counted as an error), except a TTFT deadline miss: its
-    `total_s` is the time to the deadline, a lower bound on its TTFT, so it is kept as a censored
-    TTFT sample and a stalled deployment looks slow rather than merely erroring.
+    A failed attempt contributes none (it is counted as an error), except a TTFT deadline miss or
+    a lost hedge race: its `total_s` is the time it had waited, a lower bound on its TTFT, so it is
+    kept as a censored TTFT sample and a stalled deployment looks slow rather than merely erroring.
     """
     if sample.ok:
         found: list[tuple[Metric, float]] = [("total", sample.total_s * 1000.0)]
@@ -127,7 +131,7 @@ def observations(sample: Sample) -> list[tuple[Metric, float]]:
         if sample.tpot_s is not None:
             found.append(("tpot", sample.tpot_s * 1000.0))
         return found
-    if sample.error == TTFT_DEADLINE:
+    if sample.error == TTFT_DEADLINE or sample.error == HEDGE_LOST:
         return [("ttft", sample.total_s * 1000.0)]
     return []
 
@@ -139,18 +143,33 @@ def _tags(sample: Sample) -> tuple[str, str]:
 class _Counts:
     """One slice (or a merged window) of one deployment or model."""
 
-    __slots__ = ("errors", "requests", "sketches")
+    __slots__ = ("errors", "hedges", "output_tokens", "outputs", "requests", "sketches")
 
     def __init__(self, alpha: float) -> None:
         self.sketches: dict[Metric, Sketch] = {m: Sketch(alpha) for m in METRICS}
         self.requests = 0
         self.errors = 0
+        self.hedges = 0
+        self.output_tokens = 0  # summed over `outputs` successful attempts that reported them
+        self.outputs = 0
+
+    def add(self, sample: Sample) -> None:
+        """Count everything but the latencies (see `observations`)."""
+        self.requests += 1
+        if not sample.ok and sample.error not in NOT_FAILURES:
+            self.errors += 1
+        if sample.ok and sample.output_tokens:
+            self.output_tokens += sample.output_tokens
+            self.outputs += 1
 
     def merge(self, other: _Counts) -> None:
         for metric, sketch in other.sketches.items():
             self.sketches[metric].merge(sketch)
         self.requests += other.requests
         self.errors += other.errors
+        self.hedges += other.hedges
+        self.output_tokens += other.output_tokens
+        self.outputs += other.outputs
 
 
 class _Windows:
@@ -211,6 +230,7 @@ class MetricStats:
 
     p50: float | None
     p90: float | None
+    p95: float | None
     p99: float | None
     count: int
     trusted: bool  # count >= min_samples: below that p99 is little more than the maximum
@@ -218,15 +238,16 @@ class MetricStats:
     @classmethod
     def of(cls, sketch: Sketch, min_samples: int) -> MetricStats:
         if sketch.count == 0:
-            return cls(None, None, None, 0, False)
-        p50, p90, p99 = sketch.quantiles((0.50, 0.90, 0.99))
-        return cls(p50, p90, p99, sketch.count, sketch.count >= min_samples)
+            return cls(None, None, None, None, 0, False)
+        p50, p90, p95, p99 = sketch.quantiles((0.50, 0.90, 0.95, 0.99))
+        return cls(p50, p90, p95, p99, sketch.count, sketch.count >= min_samples)
 
     def as_dict(self) -> dict[str, float | int | None]:
         # The sketch is only good to ~2% anyway: three decimals of a millisecond is plenty.
         return {
             "p50": _ms(self.p50),
             "p90": _ms(self.p90),
+            "p95": _ms(self.p95),
             "p99": _ms(self.p99),
             "count": self.count,
         }
@@ -243,9 +264,11 @@ class TargetStats:
     ttft: MetricStats
     tpot: MetricStats
     total: MetricStats
-    requests: int  # attempts that ended in the window, failed ones included
-    errors: int
+    requests: int  # attempts that ended in the window, failed ones and hedges included
+    errors: int  # attempts that failed (lost hedge races and cancellations are not failures)
     inflight: int  # this process's attempts in progress now (not shared between replicas)
+    hedges: int = 0  # hedges started for requests to this model (models only)
+    output_tokens: float | None = None  # mean output length of the successful attempts
 
     @property
     def trusted(self) -> bool:
@@ -259,9 +282,13 @@ class TargetStats:
             "total_ms": self.total.as_dict(),
             "requests": self.requests,
             "errors": self.errors,
+            "hedges": self.hedges,
             "inflight": self.inflight,
+            "output_tokens_mean": None
+            if self.output_tokens is None
+            else round(self.output_tokens, 1),
             "trusted": self.trusted,
-            "cooldown_until": None,
+            "cooldown_until": None,  # filled in by the router's view, which owns cooldowns
         }
 
 
@@ -315,6 +342,8 @@ def _snapshot(
             requests=counts.requests,
             errors=counts.errors,
             inflight=inflight.get(tag, 0),
+            hedges=counts.hedges,
+            output_tokens=counts.output_tokens / counts.outputs if counts.outputs else None,
         )
         if tag.startswith(_MODEL_TAG):
             models[tag.removeprefix(_MODEL_TAG)] = stats
@@ -395,11 +424,12 @@ class MemoryLatencyStore:
         keyed = [(metric, self._mapping.key(ms)) for metric, ms in found]
         for tag in _tags(sample):
             counts = self._windows.counts(tag, index)
-            counts.requests += 1
-            if not sample.ok:
-                counts.errors += 1
+            counts.add(sample)
             for metric, key in keyed:
                 counts.sketches[metric].add_key(key)
+        if sample.hedge_for is not None:
+            # Hedges count against the model the client asked for, whose cap they spend.
+            self._windows.counts(_MODEL_TAG + sample.hedge_for, index).hedges += 1
         return keyed
 
     def started(self, deployment: str, model: str | None = None) -> None:
@@ -538,6 +568,9 @@ class RedisLatencyStore(MemoryLatencyStore):
         for tag in _tags(sample):
             place = (tag, index)
             dirty[place] = dirty.get(place, 0) + 1
+        if sample.hedge_for is not None:
+            place = (_MODEL_TAG + sample.hedge_for, index)
+            dirty[place] = dirty.get(place, 0)
 
     @property
     def pending_fields(self) -> int:
@@ -707,6 +740,9 @@ def _pack(counts: _Counts) -> bytes:
         {
             "r": counts.requests,
             "e": counts.errors,
+            "h": counts.hedges,
+            "o": counts.output_tokens,
+            "on": counts.outputs,
             **{metric: sketch.buckets for metric, sketch in counts.sketches.items()},
         },
         option=orjson.OPT_NON_STR_KEYS,
@@ -718,6 +754,9 @@ def _unpack_into(counts: _Counts, packed: str | bytes) -> None:
         data = orjson.loads(packed)
         counts.requests += int(data.get("r", 0))
         counts.errors += int(data.get("e", 0))
+        counts.hedges += int(data.get("h", 0))
+        counts.output_tokens += int(data.get("o", 0))
+        counts.outputs += int(data.get("on", 0))
         for metric in METRICS:
             sketch = counts.sketches[metric]
             for key, n in (data.get(metric) or {}).items():

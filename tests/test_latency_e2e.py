@@ -146,6 +146,7 @@ async def test_failed_attempts_are_errors_not_latencies(
             },
             {"name": "backup", "deployments": [{"provider": "up", "model": "ok"}]},
         ],
+        routing={"cooldown": {"failures": n + 1}},  # every request tries the bad one
     )
     async with run_gateway(settings) as gw:
         responses = await stream_chat(client, gw.url, "m", n)
@@ -154,7 +155,7 @@ async def test_failed_attempts_are_errors_not_latencies(
     bad = body["deployments"]["up/m@error_500_rate=1"]
     assert (bad["requests"], bad["errors"], bad["inflight"]) == (n, n, 0)
     for key in METRIC_KEYS:
-        assert bad[key] == {"p50": None, "p90": None, "p99": None, "count": 0}, key
+        assert bad[key] == {"p50": None, "p90": None, "p95": None, "p99": None, "count": 0}, key
     assert bad["trusted"] is False
     assert (body["models"]["m"]["errors"], body["models"]["m"]["ttft_ms"]["count"]) == (n, 0)
     for good in (body["deployments"]["up/ok"], body["models"]["backup"]):

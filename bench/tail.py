@@ -1,0 +1,849 @@
+"""Tail latency under a heavy-tailed primary: TTFT with no help, with failover and with hedging.
+
+Scenario. Two simulated upstreams, each a real HTTP server in a process of its own: the primary
+answers its first token in ~150 ms, except that 8% of its requests stall 2-4 s first; the
+fallback answers in a flat ~300 ms. The gateway (`tailguard serve`, a real uvicorn process) serves
+one model `chat` on the primary (through a provider of type `openai`, so a cut attempt closes a
+real HTTP stream), with a TTFT budget of 600 ms and `chat-fallback` (the fallback upstream) as
+its fallback. The same run is repeated once per `on_ttft_miss` mode, each with a fresh gateway
+and fresh upstreams:
+
+- `none`: no routing help, the client waits for the primary;
+- `failover`: an attempt that misses its first-token deadline is cut and the next one starts;
+- `hedge`: a second attempt races the first, at most `hedge_max_fraction` (0.10) of requests.
+
+Load. Open loop: streaming chat completions (`max_tokens` 16) with Poisson arrivals at `--rps`,
+whatever happened to the earlier ones, for `--warmup` seconds (not reported: routing needs
+`latency.min_samples` first) and then `--duration` measured seconds. TTFT runs from a request's
+scheduled send time to the first SSE event carrying content, so client-side queueing shows up
+in it (no coordinated omission). Percentiles are nearest rank (k = ceil(q n)).
+
+Reported per mode: TTFT p50/p99/p99.9; errors (non-200, an error event, or a stream without
+`[DONE]`; a request that got no first token ranks in the TTFT percentiles above every answered
+one, so a mode cannot look fast by failing its slow requests); the share served by the primary
+(`x-tailguard-deployment`); the routes taken (`x-tailguard-route`); and the extra upstream
+requests: requests received by both upstreams for the measured requests, divided by the measured
+requests, minus one. The upstreams count what they receive themselves, by the `x-request-id` the
+gateway forwards. The targets for `hedge` are printed with PASS/MISS; the results go to
+`bench/results/tail-<timestamp>.json`. Exit status: 0 when every target passes (or `hedge` did
+not run), 1 when one misses, 2 when the run failed.
+
+    .venv/bin/python bench/tail.py            # ~7 minutes: 3 modes x (10 s warm-up + 120 s)
+    .venv/bin/python bench/tail.py --quick    # ~2 minutes: 5 s warm-up + 30 s per mode
+    .venv/bin/python bench/tail.py --modes failover,hedge --rps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import aiohttp
+import orjson
+
+from gateway.sim.engine import SimEngine, SimProfile
+from gateway.sim.server import create_sim_app
+from gateway.sketch import nearest_rank
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+VENV_BIN: Final = Path(sys.executable).parent
+RESULTS_DIR: Final = ROOT / "bench" / "results"
+MODES: Final = ("none", "failover", "hedge")
+
+MODEL: Final = "chat"
+FALLBACK_MODEL: Final = "chat-fallback"
+PRIMARY_DEPLOYMENT: Final = "primary/chat-primary"  # <provider>/<model>, as the header names it
+FALLBACK_DEPLOYMENT: Final = "fallback/chat-fallback"
+TTFT_BUDGET_MS: Final = 600
+TOTAL_BUDGET_MS: Final = 30_000
+# The design notes: an 8% stall share needs a hedge cap of about 0.10.
+HEDGE_MAX_FRACTION: Final = 0.10
+MAX_TOKENS: Final = 16
+PROMPT: Final = "Explain in one sentence why tail latency matters for interactive LLM applications."
+
+# The slight lognormal jitter keeps the primary's fast path from being one exact value, which no
+# real deployment is; p99 of the fast path stays under ~200 ms.
+PRIMARY_PROFILE: Final[dict[str, Any]] = {
+    "prefill_base_ms": 150,
+    "ttft_tail": "lognormal",
+    "ttft_sigma": 0.1,
+    "slow_rate": 0.08,
+    "slow_ms": [2000, 4000],
+    "tokens_per_s": 100,
+    "output_tokens": MAX_TOKENS,
+}
+FALLBACK_PROFILE: Final[dict[str, Any]] = {
+    "prefill_base_ms": 300,
+    "tokens_per_s": 100,
+    "output_tokens": MAX_TOKENS,
+}
+
+SIM_FLAG: Final = "--serve-sim"  # argv[1] of the upstream processes this script starts
+STATS_PATH: Final = "/_bench/stats"
+REQUEST_ID_PREFIX: Final = "tail-"
+PHASE_TAGS: Final = {"w": "warmup", "m": "measure"}
+READY_TIMEOUT_S: Final = 30.0
+REQUEST_TIMEOUT_S: Final = 60.0  # well past the total budget: a hung request shows as an error
+# uvicorn closes idle connections after 5 s; reusing one as it closes fails for no reason of ours.
+KEEPALIVE_S: Final = 2.0
+# Above this the client's own timer lag, not the gateway, moves the percentiles.
+NOISY_LAG_MS: Final = 10.0
+MAX_ERROR_SAMPLES: Final = 5
+
+_T = TypeVar("_T")
+
+
+# --- the upstream processes ----------------------------------------------------------------------
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def counting_app(engine: SimEngine) -> ASGI:
+    """The simulator's app, plus a count of chat requests per phase and `GET /_bench/stats`.
+
+    The simulator serves no counters over HTTP, and its engine counts only the requests that
+    parsed. Counting by the forwarded `x-request-id` also keeps a warm-up request that fails over
+    after the warm-up ended out of the measured period.
+    """
+    inner = create_sim_app(engine)
+    counts: Counter[str] = Counter()
+    prefix = REQUEST_ID_PREFIX.encode()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path == STATS_PATH:
+                stats = engine.stats
+                body = orjson.dumps(
+                    {
+                        "requests": sum(counts.values()),
+                        "by_phase": dict(counts),
+                        "engine": {
+                            name: getattr(stats, name)
+                            for name in ("requests", "completed", "cancelled", "faults")
+                        },
+                    }
+                )
+                headers = [(b"content-type", b"application/json")]
+                headers.append((b"content-length", str(len(body)).encode()))
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+            if scope["method"] == "POST" and path == "/v1/chat/completions":
+                tag = "untagged"
+                for name, value in scope["headers"]:
+                    if name == b"x-request-id" and value.startswith(prefix):
+                        tag = PHASE_TAGS.get(value[len(prefix) : len(prefix) + 1].decode(), tag)
+                counts[tag] += 1
+        await inner(scope, receive, send)
+
+    return app
+
+
+def serve_sim(argv: Sequence[str]) -> int:
+    """Run one simulated upstream until SIGTERM (the child side of `start_sim`)."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog=f"tail.py {SIM_FLAG}")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--profile", required=True, help="a SimProfile as JSON")
+    parser.add_argument("--seed", type=int, required=True)
+    args = parser.parse_args(argv)
+    engine = SimEngine({}, SimProfile.model_validate(json.loads(args.profile)), seed=args.seed)
+    uvicorn.run(
+        counting_app(engine),
+        host="127.0.0.1",
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        server_header=False,
+        timeout_graceful_shutdown=2,  # a stalled stream must not hold the next mode up
+    )
+    return 0
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Stack:
+    """The processes of one mode's run, and where their logs go."""
+
+    logs: Path
+    pin: dict[str, list[str]]  # role -> taskset prefix
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, role: str, command: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
+        log = open(self.logs / log_name, "wb")  # noqa: SIM115 - the child owns it until the end
+        try:
+            child = subprocess.Popen(
+                [*self.pin.get(role, []), *command],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
+            )
+        finally:
+            log.close()
+        self.procs.append(child)
+        return child
+
+    def stop_all(self) -> None:
+        for child in reversed(self.procs):
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for child in reversed(self.procs):
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        self.procs.clear()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_ready(url: str, child: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited ({child.returncode}):\n{log_tail(log)}")
+        with (
+            contextlib.suppress(OSError, urllib.error.URLError),
+            urllib.request.urlopen(url, timeout=1) as response,
+        ):
+            if response.status == 200:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{url}: not ready after {READY_TIMEOUT_S:.0f} s:\n{log_tail(log)}")
+
+
+def get_json(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        data: dict[str, Any] = json.loads(response.read())
+    return data
+
+
+def pinning() -> tuple[dict[str, list[str]], str | None]:
+    """taskset prefixes per role, and a warning when the processes cannot be pinned.
+
+    The gateway gets CPU 0 to itself; the upstreams (mostly asleep) and this client share CPU 1,
+    so the client's parsing never delays the gateway it measures.
+    """
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        return {}, "taskset not found: running unpinned"
+    if not {0, 1} <= os.sched_getaffinity(0):
+        return {}, f"CPUs 0 and 1 are not both available ({sorted(os.sched_getaffinity(0))})"
+    return {"gateway": [taskset, "-c", "0"], "upstream": [taskset, "-c", "1"]}, None
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def start_sim(
+    stack: Stack, name: str, port: int, profile: dict[str, Any], seed: int
+) -> subprocess.Popen[bytes]:
+    command = [sys.executable, str(Path(__file__).resolve()), SIM_FLAG, "--port", str(port)]
+    command += ["--profile", json.dumps(profile), "--seed", str(seed)]
+    child = stack.start("upstream", command, f"{name}.log")
+    wait_ready(f"http://127.0.0.1:{port}/health", child, stack.logs / f"{name}.log")
+    return child
+
+
+def gateway_config(mode: str, port: int, primary_port: int, fallback_port: int) -> dict[str, Any]:
+    primary_provider, primary_model = PRIMARY_DEPLOYMENT.split("/")
+    fallback_provider, fallback_model = FALLBACK_DEPLOYMENT.split("/")
+    return {
+        "server": {"host": "127.0.0.1", "port": port},
+        "latency": {"store": "memory"},
+        "providers": {
+            primary_provider: {"type": "openai", "base_url": f"http://127.0.0.1:{primary_port}/v1"},
+            fallback_provider: {
+                "type": "openai",
+                "base_url": f"http://127.0.0.1:{fallback_port}/v1",
+            },
+        },
+        "models": [
+            {
+                "name": MODEL,
+                "deployments": [{"provider": primary_provider, "model": primary_model}],
+                "budget": {"ttft_ms": TTFT_BUDGET_MS, "total_ms": TOTAL_BUDGET_MS},
+                "fallbacks": [FALLBACK_MODEL],
+                "on_ttft_miss": mode,
+                # Only `hedge` reads it; set everywhere, the configs differ in on_ttft_miss alone.
+                "hedge_max_fraction": HEDGE_MAX_FRACTION,
+            },
+            {
+                "name": FALLBACK_MODEL,
+                "deployments": [{"provider": fallback_provider, "model": fallback_model}],
+            },
+        ],
+    }
+
+
+def start_gateway(stack: Stack, port: int, config: dict[str, Any]) -> subprocess.Popen[bytes]:
+    path = stack.logs / "gateway.yaml"
+    path.write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML
+    command = [str(VENV_BIN / "tailguard"), "serve", "--config", str(path)]
+    command += ["--port", str(port), "--log-level", "warning"]
+    child = stack.start("gateway", command, "gateway.log")
+    wait_ready(f"http://127.0.0.1:{port}/healthz", child, stack.logs / "gateway.log")
+    return child
+
+
+# --- the client ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One client request, as the client saw it."""
+
+    phase: str  # warmup | measure
+    lag_s: float  # how late the request actually started after its scheduled time
+    ttft_s: float | None = None  # from the scheduled time to the first content event
+    total_s: float | None = None
+    status: int = 0
+    deployment: str | None = None
+    route: str | None = None
+    attempts: int | None = None
+    error: str | None = None
+
+
+class SSEReader:
+    """Just enough SSE to find the first content event, an error event and `[DONE]`."""
+
+    __slots__ = ("buffer", "done", "error", "t_first")
+
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.t_first: float | None = None
+        self.done = False
+        self.error: str | None = None
+
+    def feed(self, data: bytes, now: float) -> None:
+        buffer = (self.buffer + data if self.buffer else data).replace(b"\r\n", b"\n")
+        start = 0
+        while (end := buffer.find(b"\n\n", start)) >= 0:
+            self._event(buffer[start:end], now)
+            start = end + 2
+        self.buffer = buffer[start:]
+
+    def _event(self, event: bytes, now: float) -> None:
+        lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+        if not lines:
+            return  # comments, keep-alives
+        payload = b"\n".join(lines)
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            self.error = f"bad event {payload[:80]!r}"
+            return
+        if not isinstance(obj, dict):
+            self.error = f"bad event {payload[:80]!r}"
+        elif "error" in obj:
+            self.error = f"error event {payload[:200]!r}"
+        elif self.t_first is None:
+            for choice in obj.get("choices") or ():
+                delta = choice.get("delta") if isinstance(choice, dict) else None
+                content = delta.get("content") if isinstance(delta, dict) else None
+                if isinstance(content, str) and content:
+                    self.t_first = now
+                    return
+
+
+def request_body() -> bytes:
+    return orjson.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": MAX_TOKENS,
+            "messages": [{"role": "user", "content": PROMPT}],
+        }
+    )
+
+
+async def one_request(
+    session: aiohttp.ClientSession, url: str, body: bytes, request_id: str, phase: str, due: float
+) -> Outcome:
+    started = time.perf_counter()
+    # From the scheduled time, so a late start counts against the request; from the actual start
+    # only when the timer fired early.
+    origin = min(due, started)
+    outcome = Outcome(phase=phase, lag_s=started - due)
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    reader = SSEReader()
+    try:
+        async with session.post(url, data=body, headers=headers) as response:
+            outcome.status = response.status
+            outcome.deployment = response.headers.get("x-tailguard-deployment")
+            outcome.route = response.headers.get("x-tailguard-route")
+            with contextlib.suppress(ValueError):
+                outcome.attempts = int(response.headers.get("x-tailguard-attempts", ""))
+            if response.status != 200:
+                text = await response.read()
+                outcome.error = f"status {response.status}: {text[:200]!r}"
+            else:
+                async for data in response.content.iter_any():
+                    reader.feed(data, time.perf_counter())
+        outcome.total_s = time.perf_counter() - origin
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    if reader.t_first is not None:
+        outcome.ttft_s = reader.t_first - origin
+    if outcome.error is None:
+        if reader.error is not None:
+            outcome.error = reader.error
+        elif not reader.done:
+            outcome.error = "stream ended without [DONE]"
+    return outcome
+
+
+def poisson_schedule(rate: float, seconds: float, seed: int) -> list[float]:
+    """Arrival offsets (s) of a Poisson process: the same for every mode of a run."""
+    rng = random.Random(seed)
+    arrivals: list[float] = []
+    t = rng.expovariate(rate)
+    while t < seconds:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    return arrivals
+
+
+async def fetch_stats(session: aiohttp.ClientSession, urls: dict[str, str]) -> dict[str, Any]:
+    stats: dict[str, Any] = {}
+    for name, url in urls.items():
+        async with session.get(url) as response:
+            stats[name] = await response.json()
+    return stats
+
+
+async def drive(
+    gateway_url: str,
+    stats_urls: dict[str, str],
+    arrivals: Sequence[float],
+    warmup_s: float,
+) -> tuple[list[Outcome], dict[str, Any]]:
+    """Send every request at its arrival time; return the outcomes and the upstream counters
+    read when the warm-up ended (used only if the gateway does not forward `x-request-id`)."""
+    url = gateway_url + "/v1/chat/completions"
+    body = request_body()
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    boundary: dict[str, Any] = {}
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        tasks: list[asyncio.Task[Outcome]] = []
+        t0 = time.perf_counter() + 0.05
+        snapshot_due = t0 + warmup_s
+        for index, offset in enumerate(arrivals):
+            due = t0 + offset
+            if not boundary and offset >= warmup_s:
+                if (delay := snapshot_due - time.perf_counter()) > 0:
+                    await asyncio.sleep(delay)
+                boundary = await fetch_stats(session, stats_urls)
+            if (delay := due - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            phase = "measure" if offset >= warmup_s else "warmup"
+            request_id = f"{REQUEST_ID_PREFIX}{phase[0]}-{index:06d}"
+            tasks.append(
+                asyncio.create_task(one_request(session, url, body, request_id, phase, due))
+            )
+        outcomes = list(await asyncio.gather(*tasks))
+    return outcomes, boundary
+
+
+def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+# --- one mode ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Options:
+    modes: list[str]
+    rps: float
+    duration_s: float
+    warmup_s: float
+    seed: int
+    json_path: Path
+    keep_logs: bool
+
+
+def percentiles_ms(values_s: Sequence[float], missing: int = 0) -> dict[str, float | None]:
+    """count, mean, p50/p90/p99/p99.9 (nearest rank) and max, in ms.
+
+    `missing` values rank above every measured one: a request that never got a first token
+    missed any budget, and leaving it out would flatter the mode that fails the most. A
+    percentile that lands on one is None.
+    """
+    ordered = sorted(v * 1000.0 for v in values_s)
+    n = len(ordered) + missing
+    result: dict[str, float | None] = {"count": n, "missing": missing}
+    if not n:
+        return result
+    result["mean"] = sum(ordered) / len(ordered) if ordered else None
+    for label, q in (("p50", 0.50), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999)):
+        rank = nearest_rank(q, n)
+        result[label] = ordered[rank - 1] if rank <= len(ordered) else None
+    result["max"] = None if missing else ordered[-1]
+    return result
+
+
+def run_mode(mode: str, opts: Options, pin: dict[str, list[str]], logs: Path) -> dict[str, Any]:
+    stack = Stack(logs=logs, pin=pin)
+    try:
+        ports = {"primary": free_port(), "fallback": free_port(), "gateway": free_port()}
+        # The same seeds in every mode: the primary draws its stalls in the same order, so the
+        # modes differ in how the gateway reacts, not in the luck of the draw.
+        start_sim(stack, "primary", ports["primary"], PRIMARY_PROFILE, opts.seed)
+        start_sim(stack, "fallback", ports["fallback"], FALLBACK_PROFILE, opts.seed + 1)
+        config = gateway_config(mode, ports["gateway"], ports["primary"], ports["fallback"])
+        start_gateway(stack, ports["gateway"], config)
+        stats_urls = {
+            name: f"http://127.0.0.1:{ports[name]}{STATS_PATH}" for name in ("primary", "fallback")
+        }
+        arrivals = poisson_schedule(opts.rps, opts.warmup_s + opts.duration_s, opts.seed)
+        started = time.monotonic()
+        outcomes, boundary = run_async(
+            drive(f"http://127.0.0.1:{ports['gateway']}", stats_urls, arrivals, opts.warmup_s)
+        )
+        took = time.monotonic() - started
+        end = {name: get_json(url) for name, url in stats_urls.items()}
+    finally:
+        stack.stop_all()
+    result = summarize(mode, outcomes, boundary, end)
+    result["wall_s"] = took
+    result["config"] = config
+    return result
+
+
+def header_missing(outcome: Outcome) -> str:
+    return f"(status {outcome.status})" if outcome.status else "(no response)"
+
+
+def summarize(
+    mode: str, outcomes: Sequence[Outcome], boundary: dict[str, Any], end: dict[str, Any]
+) -> dict[str, Any]:
+    measured = [o for o in outcomes if o.phase == "measure"]
+    warm = [o for o in outcomes if o.phase == "warmup"]
+    n = len(measured)
+    failed = [o for o in measured if o.error is not None]
+    ttfts = [o.ttft_s for o in measured if o.ttft_s is not None]
+    routes = Counter(o.route or header_missing(o) for o in measured)
+    deployments = Counter(o.deployment or header_missing(o) for o in measured)
+    attempts = [o.attempts for o in measured if o.attempts is not None]
+
+    tagged = sum(int(end[name]["by_phase"].get("measure", 0)) for name in end)
+    if tagged:
+        upstream_requests = tagged
+        method = "x-request-id counted by the upstreams (measured requests only)"
+    else:  # the gateway did not forward the ids: everything after the warm-up ended
+        upstream_requests = sum(
+            int(end[name]["requests"]) - int(boundary.get(name, {}).get("requests", 0))
+            for name in end
+        )
+        method = (
+            "upstream counters from the end of the warm-up to the end of the run "
+            "(x-request-id was not forwarded; approximate at the boundary)"
+        )
+    return {
+        "mode": mode,
+        "requests": n,
+        # Requests without a first token rank as slower than any: see percentiles_ms.
+        "ttft_ms": percentiles_ms(ttfts, missing=n - len(ttfts)),
+        "ttft_ms_answered": percentiles_ms(ttfts),
+        "total_ms": percentiles_ms([o.total_s for o in measured if o.total_s is not None]),
+        "errors": len(failed),
+        "error_samples": [o.error for o in failed[:MAX_ERROR_SAMPLES]],
+        "served_by_primary": deployments[PRIMARY_DEPLOYMENT] / n if n else 0.0,
+        "routes": dict(routes.most_common()),
+        "deployments": dict(deployments.most_common()),
+        "upstream_requests": upstream_requests,
+        "upstream_counting": method,
+        "extra_upstream_fraction": upstream_requests / n - 1.0 if n else 0.0,
+        # The gateway's own account of the same thing, as a cross-check.
+        "extra_attempts_fraction": sum(attempts) / len(attempts) - 1.0 if attempts else None,
+        "upstream_stats": end,
+        "send_lag_ms": percentiles_ms([max(o.lag_s, 0.0) for o in outcomes]),
+        "warmup": {"requests": len(warm), "errors": sum(o.error is not None for o in warm)},
+    }
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    ttft = result["ttft_ms"]
+    budget = float(TTFT_BUDGET_MS)
+    checks = (
+        ("TTFT p99 <= budget", ttft.get("p99"), budget, "ms", True),
+        ("TTFT p99.9 <= 1.5x budget", ttft.get("p99.9"), 1.5 * budget, "ms", True),
+        ("served by primary >= 85%", result["served_by_primary"], 0.85, "share", False),
+        ("extra upstream requests <= 10%", result["extra_upstream_fraction"], 0.10, "share", True),
+    )
+    verdicts = []
+    for label, value, limit, unit, at_most in checks:
+        passed = value is not None and (value <= limit if at_most else value >= limit)
+        verdicts.append(
+            {"target": label, "value": value, "limit": limit, "unit": unit, "pass": passed}
+        )
+    return verdicts
+
+
+def fmt_ms(value: float | None) -> str:
+    return "no token" if value is None else f"{value:.0f} ms"
+
+
+def fmt_share(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 100:+.1f}%" if signed else f"{value * 100:.1f}%"
+
+
+def report(opts: Options, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Print the tables and the hedge targets; return the verdicts."""
+    print()
+    print(
+        f"{opts.rps:g} requests/s open loop (Poisson), {opts.duration_s:g} s measured after "
+        f"{opts.warmup_s:g} s warm-up; TTFT budget {TTFT_BUDGET_MS} ms; primary: 8% stall "
+        "2-4 s, else ~150 ms; fallback: ~300 ms"
+    )
+    print()
+    print(
+        "| mode | TTFT p50 | p99 | p99.9 | served by primary | extra upstream requests | errors |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for mode, result in results.items():
+        ttft = result["ttft_ms"]
+        print(
+            f"| {mode} | {fmt_ms(ttft.get('p50'))} | {fmt_ms(ttft.get('p99'))} "
+            f"| {fmt_ms(ttft.get('p99.9'))} | {fmt_share(result['served_by_primary'])} "
+            f"| {fmt_share(result['extra_upstream_fraction'], signed=True)} "
+            f"| {result['errors']} / {result['requests']} |"
+        )
+    print()
+    print("| mode | routes (x-tailguard-route) | gateway attempts - 1 | TTFT p99 of answered |")
+    print("|---|---|---:|---:|")
+    for mode, result in results.items():
+        n = max(result["requests"], 1)
+        routes = ", ".join(f"{name} {count / n:.1%}" for name, count in result["routes"].items())
+        print(
+            f"| {mode} | {routes} | {fmt_share(result['extra_attempts_fraction'], True)} "
+            f"| {fmt_ms(result['ttft_ms_answered'].get('p99'))} |"
+        )
+
+    print(
+        "\nTTFT: from the scheduled send time; a request that got no first token (an error) "
+        'ranks above every answered one ("no token": the percentile lands on such a request)'
+    )
+    counts = [int(result["ttft_ms"]["count"]) for result in results.values()]
+    if counts and min(counts) < 1000:
+        print(
+            f"note: p99.9 of {min(counts)} requests is the max or next to it; "
+            "run the full duration for a steadier figure"
+        )
+    methods = {result["upstream_counting"] for result in results.values()}
+    print("extra upstream requests: " + "; ".join(sorted(methods)))
+    for mode, result in results.items():
+        if result["errors"]:
+            print(f"{mode}: {result['errors']} errors, e.g. {result['error_samples'][0][:160]}")
+        lag = result["send_lag_ms"].get("p99", 0.0)
+        if lag > NOISY_LAG_MS:
+            print(f"{mode}: warning: the client started requests late (p99 {lag:.1f} ms)")
+
+    if "hedge" not in results:
+        return []
+    verdicts = targets(results["hedge"])
+    print("\nhedge targets:")
+    for verdict in verdicts:
+        value, limit = verdict["value"], verdict["limit"]
+        if verdict["unit"] == "ms":
+            shown = f"{fmt_ms(value)} (limit {limit:.0f} ms)"
+        else:
+            shown = f"{fmt_share(value)} (limit {limit:.0%})"
+        print(f"  {'PASS' if verdict['pass'] else 'MISS'}  {verdict['target']}: {shown}")
+    return verdicts
+
+
+def environment() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        info["git"] = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        ).stdout.strip()
+    return info
+
+
+# --- entry point ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> Options:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--duration", type=float, default=120.0, help="measured seconds (120)")
+    parser.add_argument("--warmup", type=float, default=10.0, help="unreported seconds first (10)")
+    parser.add_argument("--rps", type=float, default=20.0, help="mean arrival rate (20)")
+    parser.add_argument("--quick", action="store_true", help="30 s measured, 5 s warm-up")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated, of none, failover, hedge"
+    )
+    parser.add_argument("--seed", type=int, default=1, help="arrivals and upstream draws (1)")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="results file (bench/results/tail-<time>.json)"
+    )
+    parser.add_argument("--keep-logs", action="store_true", help="keep the configs and logs")
+    args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        parser.error(f"--modes: a comma-separated subset of {', '.join(MODES)}")
+    duration = 30.0 if args.quick else args.duration
+    warmup = 5.0 if args.quick else args.warmup
+    if duration <= 0 or args.rps <= 0 or warmup < 0:
+        parser.error("--duration and --rps must be > 0, --warmup >= 0")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Options(
+        modes=modes,
+        rps=args.rps,
+        duration_s=duration,
+        warmup_s=warmup,
+        seed=args.seed,
+        json_path=args.json or RESULTS_DIR / f"tail-{stamp}.json",
+        keep_logs=args.keep_logs,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == [SIM_FLAG]:
+        return serve_sim(args[1:])
+    opts = parse_args(args)
+    pin, warning = pinning()
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    elif hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {1})  # the client shares CPU 1 with the upstreams
+    logs = Path(tempfile.mkdtemp(prefix="tailguard-tail-"))
+    results: dict[str, dict[str, Any]] = {}
+    failed = False
+    try:
+        with sigterm_as_interrupt():
+            for mode in opts.modes:
+                print(
+                    f"{mode}: {opts.warmup_s:g} s warm-up + {opts.duration_s:g} s at "
+                    f"{opts.rps:g} requests/s ...",
+                    flush=True,
+                )
+                (logs / mode).mkdir()
+                result = run_mode(mode, opts, pin, logs / mode)
+                results[mode] = result
+                ttft = result["ttft_ms"]
+                print(
+                    f"  {result['requests']} requests, {result['errors']} errors, TTFT p50 "
+                    f"{fmt_ms(ttft.get('p50'))} p99 {fmt_ms(ttft.get('p99'))}, "
+                    f"{result['wall_s']:.0f} s",
+                    flush=True,
+                )
+    except (KeyboardInterrupt, RuntimeError, OSError) as exc:
+        failed = True
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"logs kept in {logs}", file=sys.stderr)
+    if failed:
+        return 2
+    verdicts = report(opts, results)
+    document = {
+        "benchmark": "tail",
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "options": {
+            "modes": opts.modes,
+            "rps": opts.rps,
+            "duration_s": opts.duration_s,
+            "warmup_s": opts.warmup_s,
+            "seed": opts.seed,
+            "max_tokens": MAX_TOKENS,
+            "ttft_budget_ms": TTFT_BUDGET_MS,
+            "hedge_max_fraction": HEDGE_MAX_FRACTION,
+            "pinned": warning is None,
+        },
+        "profiles": {"primary": PRIMARY_PROFILE, "fallback": FALLBACK_PROFILE},
+        "environment": environment(),
+        "results": results,
+        "targets": {"hedge": verdicts} if verdicts else {},
+    }
+    opts.json_path.parent.mkdir(parents=True, exist_ok=True)
+    opts.json_path.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"\nresults: {opts.json_path}")
+    if opts.keep_logs:
+        print(f"logs: {logs}")
+    else:
+        shutil.rmtree(logs, ignore_errors=True)
+    return 0 if all(v["pass"] for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Routing: which deployments a call may go to, in what order, and the one attempt loop.
+
+`plan` is pure policy over the latency snapshot; `guards` keeps fallback from amplifying
+failures (cooldowns, retry budget, hedge cap); `attempts` runs the candidates.
+"""
+
+from gateway.routing.attempts import (
+    Attempt,
+    InflightTracker,
+    Opened,
+    Policy,
+    Tally,
+    open_first,
+)
+from gateway.routing.guards import Cooldowns, Guards, HedgeBudget, RetryBudget
+from gateway.routing.plan import (
+    Budget,
+    Candidate,
+    Plan,
+    Route,
+    candidates,
+    deadline,
+    fallback_chain,
+    fits,
+    hedge_point,
+    plan,
+    weighted_order,
+)
+
+__all__ = [
+    "Attempt",
+    "Budget",
+    "Candidate",
+    "Cooldowns",
+    "Guards",
+    "HedgeBudget",
+    "InflightTracker",
+    "Opened",
+    "Plan",
+    "Policy",
+    "RetryBudget",
+    "Route",
+    "Tally",
+    "candidates",
+    "deadline",
+    "fallback_chain",
+    "fits",
+    "hedge_point",
+    "open_first",
+    "plan",
+    "weighted_order",
+]

@@ -1,0 +1,416 @@
+"""The attempt loop: the only place where failover and hedging happen.
+
+`open_first` starts the plan's candidates until one produces its first content token (the commit
+point) and returns it; once it returns, bytes flow to the client and the choice is final. Every
+attempt runs as a task, so a TTFT deadline races the upstream read itself: a stalled upstream is
+cut (failover) or joined by a second attempt (hedge) at the deadline, not when a byte finally
+arrives. Every attempt that does not win is closed before `open_first` returns or raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.config import OnTTFTMiss
+from gateway.errors import (
+    AllCandidatesFailedError,
+    CoolingDownError,
+    GatewayError,
+    InvalidRequestError,
+    ProviderError,
+)
+from gateway.latency import CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Recorder, Sample, Snapshot
+from gateway.models import Call, Chunk, Usage
+from gateway.providers.base import UpstreamStream, inband_error
+from gateway.providers.request import Prepared, prepare
+from gateway.routing.guards import PROBE_WAIT_S, Guards
+from gateway.routing.plan import Candidate, Plan, Route, deadline, hedge_point
+
+
+class InflightTracker(Protocol):
+    """Counts upstream attempts in flight; the committed attempt's owner calls `finished`."""
+
+    def started(self, deployment: str, model: str | None = None) -> None: ...
+
+    def finished(self, deployment: str, model: str | None = None) -> None: ...
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One upstream try, and why it ended: `won`, `error:<kind>`, `ttft_deadline` (cut by a
+    failover), `hedge_lost` (a hedge answered first), `cancelled` (no longer needed)."""
+
+    deployment: str
+    model: str
+    started: float
+    ended: float | None = None
+    outcome: str = "open"
+    hedge: bool = False
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the committed stream carried, for statistics and telemetry."""
+
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    tokens: int = 0  # content events seen (output tokens when the upstream reports no usage)
+    usage: Usage = field(default_factory=Usage)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def add(self, chunk: Chunk, now: float) -> None:
+        if chunk.content:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+            self.tokens += chunk.tokens or 1
+        if chunk.usage is not None:
+            if chunk.usage.input_tokens is not None:
+                self.usage.input_tokens = chunk.usage.input_tokens
+            if chunk.usage.output_tokens is not None:
+                self.usage.output_tokens = chunk.usage.output_tokens
+        if chunk.finish_reason is not None:
+            self.finish_reasons.append(chunk.finish_reason)
+
+    @property
+    def output_tokens(self) -> int:
+        return self.usage.output_tokens if self.usage.output_tokens is not None else self.tokens
+
+
+@dataclass(slots=True)
+class Opened:
+    """A committed attempt. The caller owns `stream` and must `aclose()` it."""
+
+    candidate: Candidate
+    stream: UpstreamStream
+    prepared: Prepared
+    head: list[bytes]  # translated bytes up to and including the committing event
+    pending: list[Chunk]  # events read in the same network read after the committing one
+    tally: Tally
+    ended: bool  # the upstream already finished (non-streaming, or a stream read to its end)
+    attempts: list[Attempt] = field(default_factory=list)
+    started: float = 0.0  # when this attempt was opened (perf_counter seconds)
+    route: Route = "primary"
+    hedge_for: str | None = None  # the winner is a hedge: its sample and cap belong to this model
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How one request's attempts may be rescued."""
+
+    model: str  # the model the client asked for: whose hedge cap is spent
+    arrived: float  # perf_counter time the request arrived: the TTFT budget counts from here
+    ttft_s: float | None = None  # TTFT budget; None: no deadline, attempts run until they end
+    on_ttft_miss: OnTTFTMiss = "failover"
+    hedge_fraction: float = 0.05
+    may_hedge: bool = True  # False for a client's own retry: do not multiply it
+
+
+async def open_first(
+    call: Call,
+    plan: Plan,
+    policy: Policy,
+    *,
+    headers: dict[str, str],
+    recorder: Recorder,
+    guards: Guards,
+    snapshot: Snapshot,
+    inflight: InflightTracker | None = None,
+) -> Opened:
+    """Start candidates until one commits; the only place failover and hedging happen.
+
+    Raises the request's own error (an InvalidRequestError from the first candidate, or a
+    non-retryable ProviderError), CoolingDownError, or AllCandidatesFailedError.
+    """
+    race = _Race(call, plan, policy, headers, recorder, guards, snapshot, inflight)
+    try:
+        return await race.run()
+    finally:
+        await race.settle()
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    candidate: Candidate
+    attempt: Attempt
+    why: Route  # how this attempt came to be tried
+
+
+class _Race:
+    def __init__(
+        self,
+        call: Call,
+        plan: Plan,
+        policy: Policy,
+        headers: dict[str, str],
+        recorder: Recorder,
+        guards: Guards,
+        snapshot: Snapshot,
+        inflight: InflightTracker | None,
+    ) -> None:
+        self.call = call
+        self.plan = plan
+        self.policy = policy
+        self.headers = headers
+        self.recorder = recorder
+        self.guards = guards
+        self.snapshot = snapshot
+        self.inflight = inflight
+        self.queue = deque(plan.candidates)
+        self.live: dict[asyncio.Task[Opened], _Live] = {}
+        self.attempts: list[Attempt] = []
+        self.errors: list[ProviderError] = []
+        self.refused: ProviderError | None = None  # a non-retryable error while others ran
+        self.cooling_skipped = False
+        self.retries = 0  # retry-budget tokens held
+        self.hedged = False
+        self.timer_at: float | None = None  # perf_counter time to rescue `timed`
+        self.timed: _Live | None = None
+        self.winner: asyncio.Task[Opened] | None = None
+        end = policy.arrived + policy.ttft_s if policy.ttft_s is not None else None
+        self.ttft_end = end if policy.on_ttft_miss != "none" else None
+
+    async def run(self) -> Opened:
+        if not self._launch(self.plan.route):
+            raise self._nothing_left()
+        while True:
+            timeout = None
+            if self.timer_at is not None:
+                timeout = max(0.0, self.timer_at - time.perf_counter())
+            done, _ = await asyncio.wait(
+                self.live, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                self._rescue()
+                continue
+            won: list[asyncio.Task[Opened]] = []
+            for task in sorted(done, key=lambda t: self.live[t].attempt.started):
+                error = task.exception()
+                if error is None:
+                    won.append(task)
+                else:
+                    self._failed(self.live.pop(task), error)
+            if won:
+                return self._won(won[0])
+            if not self.live and not self._failover():
+                raise self._nothing_left()
+
+    # -- starting attempts --
+
+    def _launch(self, why: Route) -> bool:
+        """Start the next candidate that can be tried; False if none is left."""
+        while self.queue:
+            candidate = self.queue.popleft()
+            if not self.guards.cooldowns.begin(candidate.id):
+                self.cooling_skipped = True
+                continue
+            try:
+                prepared = prepare(
+                    self.call, candidate.provider, candidate.deployment.model, self.headers
+                )
+            except InvalidRequestError:
+                self.guards.cooldowns.abandoned(candidate.id)
+                if not self.attempts and candidate is self.plan.candidates[0]:
+                    raise  # the first choice cannot take the request: the request is at fault
+                continue  # a fallback that cannot express this request is skipped
+            now = time.perf_counter()
+            attempt = Attempt(candidate.id, candidate.model, now, hedge=why == "hedge")
+            self.attempts.append(attempt)
+            if self.inflight is not None:
+                self.inflight.started(candidate.id, candidate.model)
+            task = asyncio.create_task(_attempt(candidate, prepared))
+            live = self.live[task] = _Live(candidate, attempt, why)
+            self._arm(live, now)
+            return True
+        return False
+
+    def _arm(self, live: _Live, now: float) -> None:
+        """Set when `live` is rescued if it has no first token yet (at most one hedge)."""
+        self.timer_at = self.timed = None
+        if self.ttft_end is None or not self.queue or self.hedged:
+            return
+        remaining = self.ttft_end - now
+        if remaining <= 0:
+            return  # the budget is spent: rescuing now would only cascade through the list
+        successor = self.queue[0]
+        if self._hedging():
+            wait = hedge_point(remaining, live.candidate, successor)
+        else:
+            wait = deadline(remaining, successor)
+        self.timer_at, self.timed = now + wait, live
+
+    def _hedging(self) -> bool:
+        return self.policy.on_ttft_miss == "hedge" and self.policy.may_hedge
+
+    def _rescue(self) -> None:
+        """The timed attempt missed its deadline: hedge it, or fail over from it."""
+        slow = self.timed
+        self.timer_at = self.timed = None
+        if slow is None or slow not in self.live.values():
+            return
+        policy = self.policy
+        if self._hedging() and self.guards.hedges.acquire(
+            policy.model, policy.hedge_fraction, self.snapshot
+        ):
+            self.hedged = True  # before the launch: a hedge gets no timer of its own
+            if not self._launch("hedge"):
+                self.hedged = False
+                self.guards.hedges.refund(policy.model)
+            return
+        # Failover (or a hedge over its cap): a new attempt, within the retry budget.
+        if not self.guards.retries.acquire():
+            return  # keep waiting on the slow one
+        self.retries += 1
+        if not self._launch("ttft_failover"):
+            self.retries -= 1
+            self.guards.retries.release()
+            return
+        for task, live in list(self.live.items()):
+            if live is slow:
+                del self.live[task]
+                task.cancel()
+                self._ended(live, TTFT_DEADLINE)
+
+    def _failover(self) -> bool:
+        """Every attempt failed: start the next candidate, within the retry budget."""
+        if not self.queue or not self.guards.retries.acquire():
+            return False
+        self.retries += 1
+        if self._launch("error_fallback"):
+            return True
+        self.retries -= 1
+        self.guards.retries.release()
+        return False
+
+    # -- ending attempts --
+
+    def _won(self, task: asyncio.Task[Opened]) -> Opened:
+        live = self.live.pop(task)
+        self.winner = task
+        opened = task.result()
+        live.attempt.outcome = "won"
+        self.guards.cooldowns.succeeded(live.candidate.id)
+        opened.attempts = self.attempts
+        opened.started = live.attempt.started
+        opened.route = live.why
+        if live.attempt.hedge:
+            opened.hedge_for = self.policy.model
+        return opened
+
+    def _failed(self, live: _Live, error: BaseException) -> None:
+        if not isinstance(error, ProviderError):
+            # A bug or an unexpected library error: end the race with it.
+            self._ended(live, "error:internal")
+            raise error
+        kind = error.kind or "error"
+        if not error.retryable:
+            if not self.live:
+                self._ended(live, f"error:{kind}")
+                raise error  # the request itself was refused: not the deployment's failure
+            self.refused = self.refused or error
+        else:
+            self.errors.append(error)
+            self.guards.cooldowns.failed(live.candidate.id, error)
+        self._ended(live, f"error:{kind}", error=kind if error.retryable else None)
+
+    def _ended(self, live: _Live, outcome: str, *, error: str | None = None) -> None:
+        attempt = live.attempt
+        attempt.ended = time.perf_counter()
+        attempt.outcome = outcome
+        candidate = live.candidate
+        if self.inflight is not None:
+            self.inflight.finished(candidate.id, candidate.model)
+        if outcome in (TTFT_DEADLINE, HEDGE_LOST, CANCELLED):
+            self.guards.cooldowns.abandoned(candidate.id)
+            error = outcome
+        hedge_for = self.policy.model if attempt.hedge else None
+        if error is not None:
+            self.recorder.record(
+                Sample(
+                    candidate.id,
+                    candidate.model,
+                    ok=False,
+                    total_s=attempt.ended - attempt.started,
+                    error=error,
+                    hedge_for=hedge_for,
+                )
+            )
+        if hedge_for is not None:
+            self.guards.hedges.release(hedge_for)
+
+    async def settle(self) -> None:
+        """Close every attempt but the winner, and give back the retry budget."""
+        if self.retries:
+            self.guards.retries.release(self.retries)
+            self.retries = 0
+        if not self.live:
+            return
+        losers = list(self.live.items())
+        self.live.clear()
+        for task, _ in losers:
+            task.cancel()
+        await asyncio.gather(*(task for task, _ in losers), return_exceptions=True)
+        winner = self.winner.result() if self.winner is not None else None
+        for task, live in losers:
+            if not task.cancelled() and task.exception() is None:
+                await task.result().stream.aclose()  # finished in the same instant: too late
+            beaten = winner is not None and live.attempt.started < winner.started
+            self._ended(live, HEDGE_LOST if beaten else CANCELLED)
+
+    def _nothing_left(self) -> GatewayError:
+        if self.refused is not None and not self.errors:
+            return self.refused
+        if not self.errors and self.cooling_skipped:
+            return CoolingDownError(
+                f"Every deployment of '{self.policy.model}' is cooling down after failures.",
+                retry_after_s=PROBE_WAIT_S,
+            )
+        return AllCandidatesFailedError(self.errors)
+
+
+async def _attempt(candidate: Candidate, prepared: Prepared) -> Opened:
+    stream = await candidate.provider.open(candidate.id, prepared.request)
+    try:
+        return await _until_first_token(candidate, stream, prepared)
+    except BaseException:
+        await stream.aclose()
+        raise
+
+
+async def _until_first_token(
+    candidate: Candidate, stream: UpstreamStream, prepared: Prepared
+) -> Opened:
+    """Read until the first content token (or the end); raise on an in-band error before it."""
+    head: list[bytes] = []
+    tally = Tally()
+    translate = prepared.stream.feed if stream.streaming else prepared.body
+    while True:
+        batch = await stream.read()
+        if batch is None:
+            if not stream.streaming:
+                return Opened(candidate, stream, prepared, head, [], tally, ended=True)
+            raise ProviderError(
+                "the stream ended before the first token",
+                deployment=candidate.id,
+                kind="truncated",
+            )
+        now = time.perf_counter()
+        for index, chunk in enumerate(batch):
+            if chunk.error is not None:
+                raise inband_error(candidate.id, chunk.error, candidate.provider.secrets)
+            tally.add(chunk, now)
+            head.append(translate(chunk))
+            if chunk.content or chunk.done or not stream.streaming:
+                return Opened(
+                    candidate,
+                    stream,
+                    prepared,
+                    head,
+                    batch[index + 1 :],
+                    tally,
+                    ended=chunk.done or not stream.streaming,
+                )

@@ -1,0 +1,193 @@
+"""What keeps fallback from making things worse: cooldowns, the retry budget and the hedge cap.
+
+Each is per process, O(1) on the request path and never waits; time comes from an injected
+monotonic clock so tests can drive it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from gateway.config import CooldownSpec, RetryBudgetSpec
+from gateway.errors import ProviderError, RateLimitedError
+from gateway.latency import TTFT_DEADLINE, Snapshot
+
+_NOTHING: Mapping[str, float] = MappingProxyType({})
+PROBE_WAIT_S = 1.0
+"""What `cooling` reports for a deployment whose half-open probe is still out."""
+
+
+@dataclass(slots=True)
+class _Breaker:
+    failures: int = 0  # consecutive
+    trips: int = 0  # times opened since it last worked: each doubles the cooldown
+    until: float = 0.0  # monotonic time the cooldown ends
+    tripped: bool = False  # open or half-open: the next attempt is a probe
+    probing: bool = False  # the probe is out
+
+
+class Cooldowns:
+    """A circuit breaker per deployment.
+
+    `failures` consecutive failures before commit open it for `base_s`, doubled each time it
+    reopens (jittered, capped at `max_s`); a 429 with `retry-after` opens it for that long
+    (capped). When the cooldown ends one attempt is let through as a probe: success closes the
+    breaker, failure reopens it. A TTFT deadline miss is slowness, not failure: the planner
+    handles it through the latency statistics.
+    """
+
+    def __init__(
+        self,
+        spec: CooldownSpec,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._spec = spec
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._states: dict[str, _Breaker] = {}
+
+    def cooling(self) -> Mapping[str, float]:
+        """Deployments that may not be tried now, with the seconds until they may."""
+        if not self._states:
+            return _NOTHING
+        now = self._clock()
+        found: dict[str, float] = {}
+        for deployment, state in self._states.items():
+            if state.until > now:
+                found[deployment] = state.until - now
+            elif state.probing:
+                found[deployment] = PROBE_WAIT_S
+        return found
+
+    def begin(self, deployment: str) -> bool:
+        """An attempt is about to start; False if it may not (claims the half-open probe)."""
+        state = self._states.get(deployment)
+        if state is None or not state.tripped:
+            return True
+        if state.probing or state.until > self._clock():
+            return False
+        state.probing = True
+        return True
+
+    def succeeded(self, deployment: str) -> None:
+        if self._states:
+            self._states.pop(deployment, None)
+
+    def abandoned(self, deployment: str) -> None:
+        """The attempt ended without a verdict (cancelled): another may probe."""
+        state = self._states.get(deployment)
+        if state is not None:
+            state.probing = False
+
+    def failed(self, deployment: str, error: ProviderError) -> None:
+        if error.kind == TTFT_DEADLINE:
+            self.abandoned(deployment)
+            return
+        state = self._states.get(deployment)
+        if state is None:
+            state = self._states[deployment] = _Breaker()
+        state.probing = False
+        now = self._clock()
+        if isinstance(error, RateLimitedError) and error.retry_after_s:
+            state.tripped = True
+            state.failures = 0
+            state.until = max(state.until, now + min(error.retry_after_s, self._spec.max_s))
+            return
+        state.failures += 1
+        if state.tripped or state.failures >= self._spec.failures:
+            wait = min(self._spec.base_s * 2**state.trips, self._spec.max_s)
+            state.until = now + wait * self._rng.uniform(0.9, 1.1)
+            state.trips += 1
+            state.tripped = True
+            state.failures = 0
+
+    def until_wall(self) -> dict[str, float]:
+        """The end of each cooldown in progress, as Unix time (for `/admin/latency`)."""
+        now, wall = self._clock(), time.time()
+        return {d: wall + (s.until - now) for d, s in self._states.items() if s.until > now}
+
+
+class RetryBudget:
+    """Envoy's retry budget: failover attempts in flight are capped at `percent` of the active
+    requests, but at least `min_concurrent` are always allowed."""
+
+    def __init__(self, spec: RetryBudgetSpec) -> None:
+        self._share = spec.percent / 100.0
+        self._floor = spec.min_concurrent
+        self.active = 0  # requests in progress
+        self.retries = 0  # failover attempts of those requests
+        self.denied = 0
+
+    def acquire(self) -> bool:
+        if self.retries < max(self._floor, self._share * self.active):
+            self.retries += 1
+            return True
+        self.denied += 1
+        return False
+
+    def release(self, count: int = 1) -> None:
+        self.retries -= count
+
+
+HEDGE_FLOOR_REQUESTS = 20
+"""The hedge cap is computed as if the window held at least this many requests, so a fresh
+gateway may hedge a little (with the default 5% cap: one hedge) before it has seen traffic."""
+
+
+class HedgeBudget:
+    """Caps hedges at a fraction of a model's attempts over the latency window.
+
+    The window's attempts and hedged attempts come from the latency snapshot (shared by every
+    replica when the store is Redis); hedges of this process not yet in the snapshot are added.
+    """
+
+    def __init__(self) -> None:
+        self._inflight: dict[str, int] = {}
+        self._ended: dict[str, int] = {}  # since the snapshot was taken
+        self._snapshot_at = 0.0
+        self.denied = 0
+
+    def acquire(self, model: str, fraction: float, snapshot: Snapshot) -> bool:
+        if snapshot.taken_at != self._snapshot_at:
+            self._snapshot_at = snapshot.taken_at
+            self._ended.clear()
+        stats = snapshot.models.get(model)
+        hedged = stats.hedges if stats is not None else 0
+        attempts = stats.requests if stats is not None else 0
+        used = hedged + self._inflight.get(model, 0) + self._ended.get(model, 0)
+        if used + 1 <= fraction * max(attempts, HEDGE_FLOOR_REQUESTS):
+            self._inflight[model] = self._inflight.get(model, 0) + 1
+            return True
+        self.denied += 1
+        return False
+
+    def release(self, model: str) -> None:
+        """The hedge ended (and is about to be recorded in the statistics)."""
+        self._inflight[model] -= 1
+        self._ended[model] = self._ended.get(model, 0) + 1
+
+    def refund(self, model: str) -> None:
+        """The hedge could not be started after all."""
+        self._inflight[model] -= 1
+
+
+class Guards:
+    """The three guards, one set per app."""
+
+    def __init__(
+        self,
+        cooldown: CooldownSpec,
+        retry_budget: RetryBudgetSpec,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.cooldowns = Cooldowns(cooldown, clock=clock, rng=rng)
+        self.retries = RetryBudget(retry_budget)
+        self.hedges = HedgeBudget()
