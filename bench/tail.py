@@ -8,7 +8,7 @@ real HTTP stream), with a TTFT budget of 600 ms and `chat-fallback` (the fallbac
 its fallback. The same run is repeated once per `on_ttft_miss` mode, each with a fresh gateway
 and fresh upstreams:
 
-- `none`: no routing help, the client waits for the primary;
+- `none`: no routing (no budget, no fallback): a plain proxy, the client waits for the primary;
 - `failover`: an attempt that misses its first-token deadline is cut and the next one starts;
 - `hedge`: a second attempt races the first, at most `hedge_max_fraction` (0.10) of requests.
 
@@ -103,6 +103,7 @@ STATS_PATH: Final = "/_bench/stats"
 REQUEST_ID_PREFIX: Final = "tail-"
 PHASE_TAGS: Final = {"w": "warmup", "m": "measure"}
 READY_TIMEOUT_S: Final = 30.0
+FALLBACK_PRIOR_TTFT_MS: Final = 330  # what an operator would write for a ~300 ms fallback
 REQUEST_TIMEOUT_S: Final = 60.0  # well past the total budget: a hung request shows as an error
 # uvicorn closes idle connections after 5 s; reusing one as it closes fails for no reason of ours.
 KEEPALIVE_S: Final = 2.0
@@ -318,15 +319,29 @@ def gateway_config(mode: str, port: int, primary_port: int, fallback_port: int) 
             {
                 "name": MODEL,
                 "deployments": [{"provider": primary_provider, "model": primary_model}],
-                "budget": {"ttft_ms": TTFT_BUDGET_MS, "total_ms": TOTAL_BUDGET_MS},
-                "fallbacks": [FALLBACK_MODEL],
-                "on_ttft_miss": mode,
-                # Only `hedge` reads it; set everywhere, the configs differ in on_ttft_miss alone.
-                "hedge_max_fraction": HEDGE_MAX_FRACTION,
+                # No routing: a plain proxy, without a budget to plan for or a fallback.
+                **(
+                    {}
+                    if mode == "none"
+                    else {
+                        "budget": {"ttft_ms": TTFT_BUDGET_MS, "total_ms": TOTAL_BUDGET_MS},
+                        "fallbacks": [FALLBACK_MODEL],
+                        "on_ttft_miss": mode,
+                        "hedge_max_fraction": HEDGE_MAX_FRACTION,
+                    }
+                ),
             },
             {
                 "name": FALLBACK_MODEL,
-                "deployments": [{"provider": fallback_provider, "model": fallback_model}],
+                # The fallback only sees the requests it rescues, so its own statistics take a
+                # while to be trusted; until then its deadline is planned on this prior.
+                "deployments": [
+                    {
+                        "provider": fallback_provider,
+                        "model": fallback_model,
+                        "prior": {"ttft_ms": FALLBACK_PRIOR_TTFT_MS},
+                    }
+                ],
             },
         ],
     }

@@ -76,8 +76,13 @@ class Cooldowns:
         return True
 
     def succeeded(self, deployment: str) -> None:
-        if self._states:
-            self._states.pop(deployment, None)
+        if not self._states:
+            return
+        state = self._states.get(deployment)
+        # An attempt that began before the breaker opened proves nothing about now: only the
+        # probe (or any attempt once the cooldown is over) closes it.
+        if state is not None and (state.probing or state.until <= self._clock()):
+            del self._states[deployment]
 
     def abandoned(self, deployment: str) -> None:
         """The attempt ended without a verdict (cancelled): another may probe."""
@@ -92,17 +97,19 @@ class Cooldowns:
         state = self._states.get(deployment)
         if state is None:
             state = self._states[deployment] = _Breaker()
-        state.probing = False
         now = self._clock()
+        probe, state.probing = state.probing, False
         if isinstance(error, RateLimitedError) and error.retry_after_s:
             state.tripped = True
             state.failures = 0
             state.until = max(state.until, now + min(error.retry_after_s, self._spec.max_s))
             return
+        if state.until > now and not probe:
+            return  # began before the breaker opened: it is open already, for the right time
         state.failures += 1
         if state.tripped or state.failures >= self._spec.failures:
-            wait = min(self._spec.base_s * 2**state.trips, self._spec.max_s)
-            state.until = now + wait * self._rng.uniform(0.9, 1.1)
+            wait = self._spec.base_s * 2**state.trips * self._rng.uniform(0.9, 1.1)
+            state.until = now + min(wait, self._spec.max_s)
             state.trips += 1
             state.tripped = True
             state.failures = 0

@@ -6,7 +6,7 @@ touches neither the network nor the clock, so every decision is unit-testable.
 The model for a TTFT budget B: an attempt is given until its *deadline* to produce a first token;
 at the deadline its successor is started (a failover cancels the attempt, a hedge keeps it). The
 deadline leaves the successor room to land inside B: it is B minus the successor's p99 TTFT plus a
-margin, but never less than half of what remains. A candidate *fits* when the share of its first
+margin (half of B when the successor is unknown). A candidate *fits* when the share of its first
 tokens that would come after its deadline is within what a successor may rescue (the hedge cap, or
 the retry budget), or when its p99 fits B outright.
 """
@@ -31,8 +31,8 @@ Route = Literal[
 
 SUCCESSOR_MARGIN = 1.1
 """A successor's p99 TTFT is padded by 10% (the sketch's own error, drift since the snapshot)."""
-MIN_SHARE = 0.5
-"""An attempt with a successor always gets at least this share of the remaining TTFT budget."""
+UNKNOWN_SHARE = 0.5
+"""An attempt whose successor's TTFT is unknown gets this share of the remaining budget."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,13 +168,16 @@ def candidates(
 
 
 def deadline(remaining_s: float, successor: Candidate | None) -> float:
-    """How long an attempt may wait for its first token before `successor` is started."""
+    """How long an attempt may wait for its first token before `successor` is started: what
+    remains once the successor's padded p99 TTFT is set aside; half of it when the successor is
+    unknown; all of it when the successor could not land inside the budget anyway."""
     if successor is None:
         return remaining_s
     need = successor.ttft_p99_s
     if need is None:
-        return remaining_s * MIN_SHARE
-    return max(remaining_s - need * SUCCESSOR_MARGIN, remaining_s * MIN_SHARE)
+        return remaining_s * UNKNOWN_SHARE
+    need *= SUCCESSOR_MARGIN
+    return remaining_s - need if need < remaining_s else remaining_s
 
 
 def hedge_point(remaining_s: float, candidate: Candidate, successor: Candidate | None) -> float:
@@ -203,7 +206,9 @@ def fits(
             rescued = False
             if successor is not None and budget.on_ttft_miss != "none":
                 late = candidate.ttft_quantile_s(budget.quantile)
-                rescued = late is not None and late <= deadline(budget.ttft_s, successor)
+                cut = deadline(budget.ttft_s, successor)
+                # Rescued only if the successor, started at the deadline, can still land in time.
+                rescued = late is not None and late <= cut < budget.ttft_s
             verdicts.append(alone or rescued)
     if budget.total_s is not None:
         total = candidate.predicted_total_s(call.max_tokens)

@@ -1,0 +1,270 @@
+"""Cooldowns, the retry budget and the hedge cap, driven by a hand-moved clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.config import CooldownSpec, RetryBudgetSpec
+from gateway.errors import ProviderError, ProviderTimeoutError, RateLimitedError
+from gateway.latency import TTFT_DEADLINE, MetricStats, Snapshot, TargetStats
+from gateway.routing.guards import (
+    HEDGE_FLOOR_REQUESTS,
+    PROBE_WAIT_S,
+    Cooldowns,
+    HedgeBudget,
+    RetryBudget,
+)
+
+D = "p/d"
+SPEC = CooldownSpec(failures=3, base_s=5.0, max_s=60.0)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def breaker(spec: CooldownSpec = SPEC) -> tuple[Cooldowns, Clock]:
+    clock = Clock()
+    return Cooldowns(spec, clock=clock, rng=random.Random(7)), clock
+
+
+def boom() -> ProviderError:
+    return ProviderError("upstream returned 500", deployment=D, upstream_status=500)
+
+
+def fail(cooldowns: Cooldowns, times: int) -> None:
+    for _ in range(times):
+        cooldowns.failed(D, boom())
+
+
+def opened(spec: CooldownSpec = SPEC) -> tuple[Cooldowns, Clock]:
+    """A breaker just opened by `spec.failures` failures, and its clock."""
+    cooldowns, clock = breaker(spec)
+    fail(cooldowns, spec.failures)
+    return cooldowns, clock
+
+
+def past_cooldown(cooldowns: Cooldowns, clock: Clock) -> None:
+    clock.now += cooldowns.cooling()[D] + 0.001
+
+
+# --- cooldowns -----------------------------------------------------------------------------------
+
+
+def test_n_consecutive_failures_open_the_breaker() -> None:
+    """N - 1 failures leave it closed; the N-th opens it for base_s (±10% jitter)."""
+    cooldowns, _ = breaker()
+    fail(cooldowns, SPEC.failures - 1)
+    assert cooldowns.cooling() == {}
+    assert cooldowns.begin(D)
+    fail(cooldowns, 1)
+    assert 4.5 <= cooldowns.cooling()[D] <= 5.5
+    assert not cooldowns.begin(D)
+
+
+def test_cooling_reports_the_remaining_seconds() -> None:
+    """As the clock moves, cooling() counts down; at the end the deployment is no longer listed."""
+    cooldowns, clock = opened()
+    first = cooldowns.cooling()[D]
+    clock.now += 2.0
+    assert cooldowns.cooling()[D] == pytest.approx(first - 2.0)
+    clock.now += first
+    assert cooldowns.cooling() == {}
+
+
+def test_a_success_resets_the_consecutive_count() -> None:
+    """Failures must be consecutive: a success in between starts the count again."""
+    cooldowns, _ = breaker()
+    fail(cooldowns, SPEC.failures - 1)
+    cooldowns.succeeded(D)
+    fail(cooldowns, SPEC.failures - 1)
+    assert cooldowns.cooling() == {}
+    fail(cooldowns, 1)
+    assert D in cooldowns.cooling()
+
+
+def test_exactly_one_probe_after_the_cooldown() -> None:
+    """When the cooldown ends one begin gets the probe; others wait while it is out."""
+    cooldowns, clock = opened()
+    past_cooldown(cooldowns, clock)
+    assert cooldowns.cooling() == {}
+    assert cooldowns.begin(D)
+    assert not cooldowns.begin(D)
+    assert cooldowns.cooling() == {D: PROBE_WAIT_S}
+
+
+def test_a_successful_probe_closes_the_breaker() -> None:
+    """Probe success: nothing cools, every attempt may begin, and the count starts from zero."""
+    cooldowns, clock = opened()
+    past_cooldown(cooldowns, clock)
+    assert cooldowns.begin(D)
+    cooldowns.succeeded(D)
+    assert cooldowns.cooling() == {}
+    assert cooldowns.begin(D)
+    assert cooldowns.begin(D)
+    fail(cooldowns, SPEC.failures - 1)
+    assert cooldowns.cooling() == {}
+
+
+def test_a_failed_probe_reopens_with_about_double_the_wait() -> None:
+    """Probe failure reopens it at once, for 2 * base_s (±10% jitter)."""
+    cooldowns, clock = opened()
+    past_cooldown(cooldowns, clock)
+    assert cooldowns.begin(D)
+    fail(cooldowns, 1)
+    assert 9.0 <= cooldowns.cooling()[D] <= 11.0
+    assert not cooldowns.begin(D)
+
+
+def test_abandoning_the_probe_frees_it() -> None:
+    """A probe cancelled without a verdict lets the next attempt probe."""
+    cooldowns, clock = opened()
+    past_cooldown(cooldowns, clock)
+    assert cooldowns.begin(D)
+    cooldowns.abandoned(D)
+    assert cooldowns.cooling() == {}
+    assert cooldowns.begin(D)
+
+
+def test_a_rate_limit_opens_it_for_the_retry_after() -> None:
+    """A 429 with retry-after opens the breaker at once for exactly that long."""
+    cooldowns, _ = breaker()
+    cooldowns.failed(D, RateLimitedError("slow down", deployment=D, retry_after_s=30.0))
+    assert cooldowns.cooling() == {D: pytest.approx(30.0)}
+    assert not cooldowns.begin(D)
+
+
+def test_a_rate_limit_retry_after_is_capped() -> None:
+    """A retry-after longer than max_s opens it for max_s."""
+    cooldowns, _ = breaker()
+    cooldowns.failed(D, RateLimitedError("slow down", deployment=D, retry_after_s=3600.0))
+    assert cooldowns.cooling() == {D: pytest.approx(SPEC.max_s)}
+
+
+def test_a_ttft_deadline_miss_is_not_a_failure() -> None:
+    """Slowness is the planner's business: deadline misses never open the breaker."""
+    cooldowns, _ = breaker()
+    late = ProviderTimeoutError("no first token in time", deployment=D, kind=TTFT_DEADLINE)
+    for _ in range(SPEC.failures * 3):
+        cooldowns.failed(D, late)
+    assert cooldowns.cooling() == {}
+    fail(cooldowns, SPEC.failures - 1)
+    assert cooldowns.cooling() == {}
+
+
+def test_the_cooldown_never_exceeds_max_s() -> None:
+    """However often it reopens, a cooldown is capped at max_s (jitter included)."""
+    spec = CooldownSpec(failures=1, base_s=5.0, max_s=20.0)
+    cooldowns, clock = opened(spec)
+    longest = 0.0
+    for _ in range(10):
+        past_cooldown(cooldowns, clock)
+        assert cooldowns.begin(D)
+        fail(cooldowns, 1)
+        longest = max(longest, cooldowns.cooling()[D])
+    assert longest <= spec.max_s
+
+
+def test_a_burst_of_failures_opens_it_for_base_s() -> None:
+    """Attempts in flight when the breaker opens fail too; that is not a reopening."""
+    cooldowns, _ = breaker()
+    burst = SPEC.failures + 3  # six concurrent attempts, all begun while it was closed
+    assert all(cooldowns.begin(D) for _ in range(burst))
+    fail(cooldowns, burst)
+    assert cooldowns.cooling()[D] <= SPEC.base_s * 1.1
+
+
+# --- retry budget --------------------------------------------------------------------------------
+
+
+def test_the_retry_budget_allows_min_concurrent_when_idle() -> None:
+    """With no active requests min_concurrent retries are allowed; the next is denied, counted."""
+    budget = RetryBudget(RetryBudgetSpec(percent=20.0, min_concurrent=3))
+    assert [budget.acquire() for _ in range(4)] == [True, True, True, False]
+    assert budget.denied == 1
+
+
+def test_the_retry_budget_scales_with_active_requests() -> None:
+    """With 100 active requests, 20% of them (20) may be retries in flight."""
+    budget = RetryBudget(RetryBudgetSpec(percent=20.0, min_concurrent=3))
+    budget.active = 100
+    assert sum(budget.acquire() for _ in range(25)) == 20
+    assert budget.denied == 5
+
+
+def test_releasing_retries_gives_them_back() -> None:
+    """Released retries no longer count against the budget."""
+    budget = RetryBudget(RetryBudgetSpec(percent=20.0, min_concurrent=3))
+    for _ in range(3):
+        assert budget.acquire()
+    assert not budget.acquire()
+    budget.release(2)
+    assert budget.acquire()
+    assert budget.acquire()
+    assert not budget.acquire()
+
+
+# --- hedge cap -----------------------------------------------------------------------------------
+
+NO_DATA = MetricStats(None, None, None, None, 0, False)
+
+
+def snapshot(taken_at: float, *, requests: int = 100, hedges: int = 0) -> Snapshot:
+    model = TargetStats(NO_DATA, NO_DATA, NO_DATA, requests, 0, 0, hedges=hedges)
+    return Snapshot(window_s=60.0, taken_at=taken_at, source="memory", models={"m": model})
+
+
+def test_hedges_are_capped_at_a_fraction_of_the_window() -> None:
+    """100 attempts in the window and a 5% cap: five hedges, then denied."""
+    hedges = HedgeBudget()
+    window = snapshot(1.0)
+    assert [hedges.acquire("m", 0.05, window) for _ in range(6)] == [True] * 5 + [False]
+    assert hedges.denied == 1
+
+
+def test_hedges_already_in_the_window_count() -> None:
+    """Five hedges recorded in the window use up a 5% cap over 100 attempts."""
+    hedges = HedgeBudget()
+    assert not hedges.acquire("m", 0.05, snapshot(1.0, hedges=5))
+    assert hedges.denied == 1
+
+
+def test_ended_hedges_count_until_a_fresh_snapshot() -> None:
+    """A hedge that ended still counts until a new snapshot (which then holds it) is taken."""
+    hedges = HedgeBudget()
+    window = snapshot(1.0)
+    for _ in range(5):
+        assert hedges.acquire("m", 0.05, window)
+    for _ in range(5):
+        hedges.release("m")
+    assert not hedges.acquire("m", 0.05, window)
+    fresh = snapshot(2.0, hedges=3)
+    assert [hedges.acquire("m", 0.05, fresh) for _ in range(3)] == [True, True, False]
+
+
+def test_an_empty_window_still_allows_one_hedge() -> None:
+    """No traffic yet: the cap is computed over HEDGE_FLOOR_REQUESTS, so 5% allows one hedge."""
+    assert HEDGE_FLOOR_REQUESTS == 20
+    hedges = HedgeBudget()
+    empty = Snapshot(window_s=60.0, taken_at=1.0, source="memory")
+    assert [hedges.acquire("m", 0.05, empty) for _ in range(2)] == [True, False]
+
+
+def test_a_refund_frees_the_slot_without_counting_it() -> None:
+    """A hedge that could not start is refunded: the slot is free and nothing counts as ended."""
+    hedges = HedgeBudget()
+    empty = Snapshot(window_s=60.0, taken_at=1.0, source="memory")
+    assert hedges.acquire("m", 0.05, empty)
+    assert not hedges.acquire("m", 0.05, empty)
+    hedges.refund("m")
+    assert hedges.acquire("m", 0.05, empty)
+    hedges.release("m")
+    assert not hedges.acquire("m", 0.05, empty)

@@ -1,0 +1,391 @@
+"""The latency-budget planner: pure policy over hand-built statistics, no network, no clock."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from gateway.config import DeploymentSpec, ModelSpec, PriorSpec, build_settings
+from gateway.errors import CoolingDownError, InvalidRequestError
+from gateway.latency import MetricStats, Snapshot, TargetStats
+from gateway.models import Call, Endpoint, UpstreamRequest, Wire
+from gateway.providers.base import UpstreamStream
+from gateway.routing.plan import (
+    Budget,
+    Candidate,
+    candidates,
+    deadline,
+    fallback_chain,
+    fits,
+    hedge_point,
+    plan,
+    weighted_order,
+)
+
+MIN_SAMPLES = 20
+
+
+@dataclass
+class StubProvider:
+    """Just enough of a `Provider` for the planner, which never opens a call."""
+
+    name: str = "p"
+    wire: Wire = "openai"
+    system: str = "stub"
+    address: str | None = None
+    secrets: tuple[str, ...] = ()
+    endpoints: frozenset[Endpoint] = field(default_factory=lambda: frozenset({"chat"}))
+
+    def supports(self, endpoint: Endpoint) -> bool:
+        return endpoint in self.endpoints
+
+    async def open(self, deployment: str, request: UpstreamRequest) -> UpstreamStream:
+        raise AssertionError("the planner never opens a call")
+
+
+def metric(
+    p99: float, *, p95: float | None = None, p90: float | None = None, count: int = 100
+) -> MetricStats:
+    """Percentiles in ms; p90 and p95 default to p99 (a flat distribution)."""
+    p95 = p99 if p95 is None else p95
+    p90 = p95 if p90 is None else p90
+    return MetricStats(p90 / 2, p90, p95, p99, count, count >= MIN_SAMPLES)
+
+
+NO_DATA = MetricStats(None, None, None, None, 0, False)
+
+
+def stats(
+    ttft: MetricStats = NO_DATA,
+    tpot: MetricStats = NO_DATA,
+    total: MetricStats = NO_DATA,
+    output_tokens: float | None = None,
+) -> TargetStats:
+    return TargetStats(
+        ttft=ttft,
+        tpot=tpot,
+        total=total,
+        requests=max(ttft.count, total.count),
+        errors=0,
+        inflight=0,
+        output_tokens=output_tokens,
+    )
+
+
+def cand(
+    name: str,
+    ttft: MetricStats | None = None,
+    *,
+    tpot: MetricStats = NO_DATA,
+    output_tokens: float | None = None,
+    prior: PriorSpec | None = None,
+) -> Candidate:
+    """A deployment `p/<name>` of model `m`; no `ttft` means no statistics at all."""
+    spec = DeploymentSpec(provider="p", model=name, prior=prior)
+    target = None if ttft is None else stats(ttft, tpot, output_tokens=output_tokens)
+    return Candidate("m", spec, StubProvider(), target)
+
+
+def call(*, stream: bool = True, max_tokens: int | None = None) -> Call:
+    return Call("chat", "m", {}, b"{}", stream, max_tokens=max_tokens)
+
+
+def ids(found: list[Candidate]) -> list[str]:
+    return [c.deployment.model for c in found]
+
+
+FAST, SLOW, SLOWER = metric(300.0), metric(3000.0), metric(5000.0)
+STRICT = Budget(ttft_s=1.0, on_ttft_miss="none")
+
+
+# --- ordering by budget ------------------------------------------------------------------------
+
+
+def test_without_a_budget_the_order_is_kept() -> None:
+    """No TTFT or total budget: the candidates stay in their order and the route is primary."""
+    found = [cand("a", SLOW), cand("b", FAST)]
+    chosen = plan(found, call(), Budget())
+    assert ids(chosen.candidates) == ["a", "b"]
+    assert chosen.route == "primary"
+
+
+def test_the_first_that_fits_leads() -> None:
+    """A first candidate whose trusted p99 TTFT fits the budget leads as the primary."""
+    chosen = plan([cand("a", FAST), cand("b", FAST)], call(), STRICT)
+    assert ids(chosen.candidates) == ["a", "b"]
+    assert chosen.route == "primary"
+
+
+def test_a_later_candidate_that_fits_leads_and_the_rest_keep_their_order() -> None:
+    """The first that fits is moved to the front (route budget); the others keep their order."""
+    found = [cand("a", SLOW), cand("b", SLOWER), cand("c", FAST), cand("d", FAST)]
+    chosen = plan(found, call(), STRICT)
+    assert ids(chosen.candidates) == ["c", "a", "b", "d"]
+    assert chosen.route == "budget"
+
+
+# --- the rescue rule ---------------------------------------------------------------------------
+
+# 8% of first tokens stall: p90 is fast, p95 and p99 are far over a 1 s budget.
+STALLING = metric(8000.0, p95=5000.0, p90=200.0)
+
+
+def test_a_rescuable_primary_fits_despite_its_p99() -> None:
+    """With a hedge covering 10%, a p90 under the deadline fits though p99 is 8x the budget."""
+    successor = cand("b", FAST)  # deadline = max(1.0 - 1.1 * 0.3, 0.5) = 0.67 s
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10)
+    assert fits(cand("a", STALLING), successor, budget, call()) is True
+    chosen = plan([cand("a", STALLING), successor], call(), budget)
+    assert ids(chosen.candidates) == ["a", "b"]
+    assert chosen.route == "primary"
+
+
+def test_the_rescued_quantile_must_meet_the_deadline_not_the_budget() -> None:
+    """A p90 under the budget but past the deadline (budget - 1.1 * successor p99): not rescued."""
+    successor = cand("b", metric(400.0))  # deadline = 1.0 - 0.44 = 0.56 s
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10)
+    late_p90 = metric(8000.0, p95=5000.0, p90=700.0)
+    assert fits(cand("a", late_p90), successor, budget, call()) is False
+
+
+def test_a_successor_that_cannot_land_in_time_rescues_nothing() -> None:
+    """A successor too slow to land inside the budget leaves the attempt all of it, and a
+    primary that needs rescuing then does not fit."""
+    successor = cand("b", metric(950.0))  # padded to 1.045 s: more than the whole budget
+    assert deadline(1.0, successor) == 1.0
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10)
+    assert (
+        fits(cand("a", metric(8000.0, p95=5000.0, p90=450.0)), successor, budget, call()) is False
+    )
+
+
+def test_a_smaller_rescue_share_checks_the_p95() -> None:
+    """With 5% rescuable, the p95 must meet the deadline: 8% stalls do not fit."""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.05)
+    assert budget.quantile == "p95"
+    assert fits(cand("a", STALLING), cand("b", FAST), budget, call()) is False
+    chosen = plan([cand("a", STALLING), cand("b", FAST)], call(), budget)
+    assert ids(chosen.candidates) == ["b", "a"]
+    assert chosen.route == "budget"
+
+
+def test_without_rescue_only_p99_within_the_budget_fits() -> None:
+    """on_ttft_miss none: no successor rescues, so p99 must fit the budget itself."""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="none", rescue_share=0.10)
+    assert budget.quantile == "p99"
+    assert fits(cand("a", STALLING), cand("b", FAST), budget, call()) is False
+    assert fits(cand("a", metric(1000.0)), cand("b", FAST), budget, call()) is True
+
+
+def test_without_a_successor_nothing_is_rescued() -> None:
+    """The last candidate standing has no successor: its p99 must fit the budget."""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10)
+    assert fits(cand("a", STALLING), None, budget, call()) is False
+
+
+# --- untrusted statistics and priors -----------------------------------------------------------
+
+
+def test_untrusted_statistics_are_explored() -> None:
+    """Too few samples: nothing to judge by (None), so the candidate fits and keeps its place."""
+    few = metric(9000.0, count=MIN_SAMPLES - 1)
+    assert fits(cand("a", few), cand("b", FAST), STRICT, call()) is None
+    assert fits(cand("a"), cand("b", FAST), STRICT, call()) is None
+    chosen = plan([cand("a", few), cand("b", FAST)], call(), STRICT)
+    assert ids(chosen.candidates) == ["a", "b"]
+    assert chosen.route == "primary"
+
+
+def test_a_prior_stands_in_for_untrusted_statistics() -> None:
+    """A configured prior p99 TTFT is judged instead of the untrusted samples, either way."""
+    few_fast = metric(100.0, count=5)
+    slow_prior = PriorSpec(ttft_ms=2000.0)
+    assert cand("a", few_fast, prior=slow_prior).ttft_p99_s == pytest.approx(2.0)
+    assert fits(cand("a", few_fast, prior=slow_prior), cand("b", FAST), STRICT, call()) is False
+    chosen = plan([cand("a", few_fast, prior=slow_prior), cand("b", FAST)], call(), STRICT)
+    assert ids(chosen.candidates) == ["b", "a"]
+    assert chosen.route == "budget"
+    few_slow = metric(9000.0, count=5)
+    assert fits(cand("a", few_slow, prior=PriorSpec(ttft_ms=500.0)), None, STRICT, call()) is True
+
+
+def test_trusted_statistics_override_the_prior() -> None:
+    """Once the samples are trusted the prior is no longer used."""
+    assert cand("a", FAST, prior=PriorSpec(ttft_ms=9000.0)).ttft_p99_s == pytest.approx(0.3)
+
+
+# --- nothing fits --------------------------------------------------------------------------------
+
+
+def test_when_nothing_fits_the_least_over_budget_leads() -> None:
+    """All over budget: the lowest p99 relative to the budget leads, route budget_unattainable."""
+    found = [cand("a", metric(3000.0)), cand("b", metric(1500.0)), cand("c", metric(2000.0))]
+    chosen = plan(found, call(), STRICT)
+    assert ids(chosen.candidates) == ["b", "a", "c"]
+    assert chosen.route == "budget_unattainable"
+
+
+def test_the_cost_is_relative_to_each_budget() -> None:
+    """The worse of TTFT/ttft budget and total/total budget ranks those that do not fit."""
+    budget = Budget(ttft_s=1.0, total_s=10.0, on_ttft_miss="none")
+    tpot = metric(10.0)  # total = ttft + 0.01 s * 999 tokens
+    a = cand("a", metric(1200.0), tpot=tpot)  # ttft 1.2x, total 11.2 s = 1.12x: cost 1.2
+    b = cand("b", metric(500.0), tpot=tpot)  # ttft fits, total 10.5 s = 1.05x: cost 1.05
+    chosen = plan([a, b], call(max_tokens=1000), budget)
+    assert ids(chosen.candidates) == ["b", "a"]
+    assert chosen.route == "budget_unattainable"
+
+
+# --- total budget --------------------------------------------------------------------------------
+
+
+def test_predicted_total_uses_max_tokens_else_the_mean_output_length() -> None:
+    """Predicted total = p99 TTFT + p99 TPOT * (tokens - 1), tokens from max_tokens or the mean."""
+    c = cand("a", metric(500.0), tpot=metric(20.0), output_tokens=50.0)
+    assert c.predicted_total_s(100) == pytest.approx(0.5 + 0.02 * 99)
+    assert c.predicted_total_s(None) == pytest.approx(0.5 + 0.02 * 49)
+
+
+def test_a_candidate_over_the_total_budget_does_not_fit() -> None:
+    """The total budget is checked against the predicted total for this call's max_tokens."""
+    c = cand("a", metric(500.0), tpot=metric(20.0), output_tokens=50.0)  # 2.48 s at 100 tokens
+    assert fits(c, None, Budget(total_s=3.0), call(max_tokens=100)) is True
+    assert fits(c, None, Budget(total_s=2.0), call(max_tokens=100)) is False
+    assert fits(c, None, Budget(total_s=2.0), call()) is True  # 1.48 s at the mean 50 tokens
+
+
+def test_a_non_streaming_call_ignores_the_ttft_budget() -> None:
+    """Without a stream there is no first token to wait for: only the total budget counts."""
+    slow_start = cand("a", SLOWER, tpot=metric(1.0))  # 5 s to first token, 5.1 s total
+    assert fits(slow_start, None, Budget(ttft_s=1.0), call(stream=False)) is None
+    budget = Budget(ttft_s=1.0, total_s=6.0, on_ttft_miss="none")
+    assert fits(slow_start, None, budget, call(stream=False, max_tokens=100)) is True
+    assert fits(slow_start, None, budget, call(stream=True, max_tokens=100)) is False
+
+
+# --- cooldowns -----------------------------------------------------------------------------------
+
+
+def test_cooling_candidates_are_skipped() -> None:
+    """A cooling first candidate is left out and the next leads as an error fallback."""
+    found = [cand("a", FAST), cand("b", FAST), cand("c", FAST)]
+    chosen = plan(found, call(), Budget(), cooling={"p/a": 3.0})
+    assert ids(chosen.candidates) == ["b", "c"]
+    assert chosen.route == "error_fallback"
+    chosen = plan(found, call(), Budget(), cooling={"p/b": 3.0})
+    assert ids(chosen.candidates) == ["a", "c"]
+    assert chosen.route == "primary"
+
+
+def test_all_cooling_raises_with_the_soonest_retry_after() -> None:
+    """Every candidate cooling: 503 CoolingDownError, retry-after the ceiling of the soonest."""
+    found = [cand("a", FAST), cand("b", FAST)]
+    with pytest.raises(CoolingDownError) as caught:
+        plan(found, call(), STRICT, cooling={"p/a": 7.5, "p/b": 2.2, "p/other": 0.5})
+    assert caught.value.status == 503
+    assert caught.value.headers["retry-after"] == str(math.ceil(2.2))
+    assert caught.value.retry_after_s == pytest.approx(2.2)
+
+
+# --- deadlines and hedge points ------------------------------------------------------------------
+
+
+def test_deadline_arithmetic() -> None:
+    """Remaining - 1.1 * successor p99; all of it alone or when the successor cannot land in
+    time; half for an unknown one."""
+    assert deadline(2.0, None) == 2.0
+    assert deadline(2.0, cand("b")) == pytest.approx(1.0)
+    assert deadline(2.0, cand("b", metric(500.0))) == pytest.approx(2.0 - 0.55)
+    assert deadline(2.0, cand("b", metric(1500.0))) == pytest.approx(2.0 - 1.65)
+    assert deadline(2.0, cand("b", metric(1900.0))) == pytest.approx(2.0)
+    assert deadline(2.0, cand("b", prior=PriorSpec(ttft_ms=500.0))) == pytest.approx(1.45)
+
+
+def test_hedge_point_without_a_successor_is_the_whole_budget() -> None:
+    """No successor: the hedge point is the deadline, i.e. all that remains."""
+    assert hedge_point(2.0, cand("a", metric(1900.0, p95=400.0)), None) == 2.0
+
+
+def test_hedge_point_with_an_unknown_successor_is_half() -> None:
+    """An unknown successor gets half of what remains."""
+    assert hedge_point(2.0, cand("a", metric(1900.0, p95=400.0)), cand("b")) == pytest.approx(1.0)
+
+
+def test_hedge_point_is_the_p95_when_the_budget_is_tight() -> None:
+    """p99 plus a failover would not fit and the p95 comes before the deadline: hedge at p95."""
+    a = cand("a", metric(900.0, p95=400.0))  # 0.9 + 1.1 * 0.3 = 1.23 > 1.0: tight
+    assert deadline(1.0, cand("b", FAST)) == pytest.approx(0.67)
+    assert hedge_point(1.0, a, cand("b", FAST)) == pytest.approx(0.4)
+
+
+def test_hedge_point_is_the_deadline_when_the_budget_is_not_tight() -> None:
+    """p99 plus a failover fits: hedge at the deadline, not at the earlier p95."""
+    a = cand("a", metric(500.0, p95=400.0))  # 0.5 + 0.33 = 0.83 <= 1.0
+    assert hedge_point(1.0, a, cand("b", FAST)) == pytest.approx(0.67)
+
+
+def test_hedge_point_ignores_a_p95_later_than_the_deadline() -> None:
+    """Tight, but the p95 comes after the deadline: hedge at the deadline."""
+    a = cand("a", metric(900.0, p95=800.0))
+    assert hedge_point(1.0, a, cand("b", FAST)) == pytest.approx(0.67)
+
+
+# --- candidate order -----------------------------------------------------------------------------
+
+
+def test_weighted_order_follows_the_weights() -> None:
+    """Weights 3:1 put the heavier deployment first about 75% of the time."""
+    heavy = DeploymentSpec(provider="p", model="heavy", weight=3.0)
+    light = DeploymentSpec(provider="p", model="light", weight=1.0)
+    rng = random.Random(42)
+    draws = 4000
+    first = sum(weighted_order([light, heavy], rng)[0] is heavy for _ in range(draws))
+    assert abs(first / draws - 0.75) < 0.03
+    assert weighted_order([heavy], rng) == [heavy]
+
+
+def test_fallback_chain_is_breadth_first_and_each_model_once() -> None:
+    """The model, then its fallbacks, then theirs; a model reached twice is listed once."""
+    deployment = [{"provider": "sim", "model": "x"}]
+    settings = build_settings(
+        {
+            "providers": {"sim": {"type": "simulated"}},
+            "models": [
+                {"name": "a", "deployments": deployment, "fallbacks": ["b", "c"]},
+                {"name": "b", "deployments": deployment, "fallbacks": ["d", "c"]},
+                {"name": "c", "deployments": deployment, "fallbacks": ["d"]},
+                {"name": "d", "deployments": deployment},
+            ],
+        }
+    )
+    spec = settings.model("a")
+    assert spec is not None
+    assert [m.name for m in fallback_chain(spec, settings)] == ["a", "b", "c", "d"]
+
+
+def test_candidates_skip_what_cannot_serve_the_call() -> None:
+    """Each deployment once, those whose provider cannot serve the endpoint left out, with stats."""
+    chat, emb = StubProvider("chat"), StubProvider("emb", endpoints=frozenset({"embeddings"}))
+    first = ModelSpec(
+        name="m",
+        deployments=(
+            DeploymentSpec(provider="chat", model="x"),
+            DeploymentSpec(provider="emb", model="e"),
+        ),
+    )
+    second = ModelSpec(name="n", deployments=(DeploymentSpec(provider="emb", model="e"),))
+    snapshot = Snapshot(
+        window_s=60.0, taken_at=1.0, source="memory", deployments={"emb/e": stats()}
+    )
+    embed = Call("embeddings", "m", {}, b"{}", False)
+    found = candidates(
+        [first, second], {"chat": chat, "emb": emb}, embed, random.Random(1), snapshot
+    )
+    assert [(c.model, c.id) for c in found] == [("m", "emb/e")]
+    assert found[0].stats is snapshot.deployments["emb/e"]
+    complete = Call("completions", "m", {}, b"{}", False)
+    with pytest.raises(InvalidRequestError, match="completions"):
+        candidates([first], {"chat": chat, "emb": emb}, complete, random.Random(1))
