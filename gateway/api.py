@@ -45,6 +45,7 @@ from gateway.latency import (
     Recorder,
     RedisLatencyStore,
     Sample,
+    TargetStats,
     connect_redis,
     run_store,
 )
@@ -700,9 +701,11 @@ def _add_routes(app: FastAPI) -> None:
     async def admin_latency(request: Request) -> Response:
         services: Services = request.state.services
         body = services.latency.snapshot.as_dict()
+        deployments = body["deployments"]
         for deployment, until in services.guards.cooldowns.until_wall().items():
-            if deployment in body["deployments"]:
-                body["deployments"][deployment]["cooldown_until"] = round(until, 3)
+            if deployment not in deployments:  # cooling since before the snapshot was taken
+                deployments[deployment] = TargetStats.empty().as_dict()
+            deployments[deployment]["cooldown_until"] = round(until, 3)
         return Response(orjson.dumps(body), media_type="application/json")
 
     @app.get("/metrics")

@@ -270,6 +270,11 @@ class TargetStats:
     hedges: int = 0  # hedges started for requests to this model (models only)
     output_tokens: float | None = None  # mean output length of the successful attempts
 
+    @classmethod
+    def empty(cls) -> TargetStats:
+        nothing = MetricStats(None, None, None, None, 0, False)
+        return cls(ttft=nothing, tpot=nothing, total=nothing, requests=0, errors=0, inflight=0)
+
     @property
     def trusted(self) -> bool:
         """Enough samples of TTFT or total latency; routing should check the metric it uses."""

@@ -1,0 +1,387 @@
+"""Latency-budget routing end to end: deadlines, failover, hedging, cooldowns and the retry budget.
+
+Each deployment is its own simulated server on loopback, so a test can tell which upstream saw a
+request and which saw its stream closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.sim.engine import SimEngine, SimProfile
+from gateway.sim.server import create_sim_app
+from tests.conftest import Upstream, gateway_settings, run_gateway, serve
+from tests.test_latency_e2e import count, poll_latency
+
+CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=10) as http:
+        yield http
+
+
+@asynccontextmanager
+async def sim() -> AsyncIterator[Upstream]:
+    """A zero-delay simulated upstream; tests script it through model names (`m@key=value`)."""
+    engine = SimEngine({}, SimProfile(output_tokens=5), seed=1)
+    async with serve(create_sim_app(engine)) as url:
+        yield Upstream(engine, url)
+
+
+@pytest.fixture
+async def primary() -> AsyncIterator[Upstream]:
+    async with sim() as upstream:
+        yield upstream
+
+
+@pytest.fixture
+async def fallback() -> AsyncIterator[Upstream]:
+    async with sim() as upstream:
+        yield upstream
+
+
+def routed(
+    primary: Upstream,
+    fallback: Upstream,
+    first: str,
+    second: str = "ok",
+    *,
+    prior_ms: float | None = 50.0,
+    **model: Any,
+) -> Any:
+    """Model `m` on `first` (at the primary upstream) with fallback model `b` on `second` (at the
+    fallback upstream), whose expected TTFT is `prior_ms` until it has statistics."""
+    prior = {"prior": {"ttft_ms": prior_ms}} if prior_ms is not None else {}
+    top = {key: model.pop(key) for key in ("routing", "latency") if key in model}
+    return gateway_settings(
+        {
+            "p": {"type": "vllm", "base_url": primary.base_url},
+            "f": {"type": "vllm", "base_url": fallback.base_url},
+        },
+        [
+            {
+                "name": "m",
+                "deployments": [{"provider": "p", "model": first}],
+                "fallbacks": ["b"],
+                **model,
+            },
+            {"name": "b", "deployments": [{"provider": "f", "model": second, **prior}]},
+        ],
+        **top,
+    )
+
+
+async def stream(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None
+) -> tuple[httpx.Response, list[str], float]:
+    """One streamed chat request: the response, its non-empty lines, and the client's TTFT."""
+    started = time.perf_counter()
+    ttft = -1.0
+    lines: list[str] = []
+    body = {"model": "m", "stream": True, **CHAT}
+    async with client.stream(
+        "POST", url + "/v1/chat/completions", json=body, headers=headers
+    ) as resp:
+        async for line in resp.aiter_lines():
+            if line:
+                if ttft < 0 and '"content"' in line:
+                    ttft = time.perf_counter() - started
+                lines.append(line)
+    return resp, lines, ttft
+
+
+def events(lines: list[str]) -> list[dict[str, Any]]:
+    return [orjson.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def attempt_ms(resp: httpx.Response, index: int) -> tuple[float, str]:
+    """Duration and description of attempt `index` (1-based) from `server-timing`."""
+    found = re.search(
+        rf'attempt{index};dur=([0-9.]+);desc="([^"]*)"', resp.headers["server-timing"]
+    )
+    assert found is not None, resp.headers["server-timing"]
+    return float(found.group(1)), found.group(2)
+
+
+# --- TTFT deadlines ------------------------------------------------------------------------------
+
+
+async def test_stalled_primary_is_cut_at_its_deadline(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """The deadline is the budget minus the fallback's padded expected TTFT (400 - 1.1 x 100 =
+    290 ms): a primary that never sends a byte is cut then, not later, and the fallback serves."""
+    settings = routed(primary, fallback, "slow@stall_rate=1", prior_ms=100, budget={"ttft_ms": 400})
+    async with run_gateway(settings) as gw:
+        resp, lines, ttft = await stream(client, gw.url)
+        async with asyncio.timeout(5):
+            await primary.stats.wait_for(lambda s: s.cancelled == 1)  # the upstream saw the close
+    assert resp.status_code == 200
+    assert lines[-1] == "data: [DONE]"
+    assert resp.headers["x-tailguard-route"] == "ttft_failover"
+    assert resp.headers["x-tailguard-deployment"] == "f/ok"
+    assert resp.headers["x-should-retry"] == "false"
+    cut_ms, desc = attempt_ms(resp, 1)
+    assert desc == "p/slow@stall_rate=1 ttft_deadline"
+    assert 270 <= cut_ms <= 310  # 290 ms after arrival, less the few ms before the attempt
+    assert ttft < 0.4
+    assert fallback.stats.requests == 1
+
+
+async def test_last_candidate_is_not_cut_by_the_ttft_budget(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """With nothing left to rescue it, a slow attempt is waited for: better late than an error."""
+    settings = routed(
+        primary,
+        fallback,
+        "slow@stall_rate=1",
+        "late@prefill_base_ms=400",
+        budget={"ttft_ms": 200},
+    )
+    async with run_gateway(settings) as gw:
+        resp, lines, ttft = await stream(client, gw.url)
+    assert resp.status_code == 200
+    assert lines[-1] == "data: [DONE]"
+    assert resp.headers["x-tailguard-deployment"] == "f/late@prefill_base_ms=400"
+    assert ttft > 0.4
+
+
+# --- hedging -------------------------------------------------------------------------------------
+
+
+def hedged(primary: Upstream, fallback: Upstream, first: str, second: str = "ok") -> Any:
+    return routed(
+        primary,
+        fallback,
+        first,
+        second,
+        budget={"ttft_ms": 400},
+        on_ttft_miss="hedge",
+        hedge_max_fraction=1.0,
+    )
+
+
+async def test_hedge_wins_and_the_primary_is_closed(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """At the deadline a hedge starts without cancelling the primary; the hedge's first token
+    wins, the primary's stream is closed at once, and the client gets one clean stream."""
+    settings = hedged(primary, fallback, "slow@prefill_base_ms=2000")
+    async with run_gateway(settings) as gw:
+        resp, lines, _ = await stream(client, gw.url)
+        async with asyncio.timeout(1):
+            await primary.stats.wait_for(lambda s: s.cancelled == 1)
+    assert resp.status_code == 200
+    assert resp.headers["x-tailguard-route"] == "hedge"
+    assert resp.headers["x-tailguard-deployment"] == "f/ok"
+    assert resp.headers["x-tailguard-attempts"] == "2"
+    assert attempt_ms(resp, 1)[1] == "p/slow@prefill_base_ms=2000 hedge_lost"
+    assert primary.stats.requests == 1 and fallback.stats.requests == 1
+    # One stream: one id, one role delta, the fallback's five tokens, one finish, one [DONE].
+    chunks = events(lines)
+    assert len({c["id"] for c in chunks}) == 1
+    assert sum(1 for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]) == 1
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert [f for f in finishes if f] == ["length"] or [f for f in finishes if f] == ["stop"]
+    assert lines.count("data: [DONE]") == 1 and lines[-1] == "data: [DONE]"
+    assert fallback.stats.completed == 1
+
+
+async def test_primary_answering_first_beats_its_hedge(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A primary that answers after the hedge started but before the hedge's first token wins,
+    and the hedge is the one closed."""
+    settings = hedged(primary, fallback, "late@prefill_base_ms=450", "slower@prefill_base_ms=2000")
+    async with run_gateway(settings) as gw:
+        resp, lines, _ = await stream(client, gw.url)
+        async with asyncio.timeout(1):
+            await fallback.stats.wait_for(lambda s: s.cancelled == 1)
+    assert resp.status_code == 200
+    assert resp.headers["x-tailguard-deployment"] == "p/late@prefill_base_ms=450"
+    assert resp.headers["x-tailguard-route"] == "primary"
+    assert resp.headers["x-tailguard-attempts"] == "2"
+    assert attempt_ms(resp, 2)[1] == "f/slower@prefill_base_ms=2000 cancelled"
+    assert lines[-1] == "data: [DONE]"
+    assert primary.stats.completed == 1
+
+
+async def test_a_client_retry_is_not_hedged(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A request the SDK marks as its own retry fails over instead of adding a hedge."""
+    settings = hedged(primary, fallback, "slow@prefill_base_ms=2000")
+    async with run_gateway(settings) as gw:
+        resp, _, _ = await stream(client, gw.url, headers={"x-stainless-retry-count": "1"})
+    assert resp.headers["x-tailguard-route"] == "ttft_failover"
+    assert attempt_ms(resp, 1)[1].endswith("ttft_deadline")
+
+
+async def test_hedges_are_capped(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """Over its cap, a slow attempt is failed over (within the retry budget), not hedged."""
+    settings = routed(
+        primary,
+        fallback,
+        "slow@prefill_base_ms=2000",
+        budget={"ttft_ms": 300},
+        on_ttft_miss="hedge",
+        hedge_max_fraction=0.05,  # an empty window allows one hedge (as if it held 20 requests)
+    )
+    async with run_gateway(settings) as gw:
+        routes = [(await stream(client, gw.url))[0].headers["x-tailguard-route"] for _ in range(3)]
+    assert routes == ["hedge", "ttft_failover", "ttft_failover"]
+
+
+# --- errors before commit, cooldowns -------------------------------------------------------------
+
+
+async def test_rate_limited_primary_fails_over_and_cools_down(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A 429 moves on to the fallback and puts the deployment in cooldown for its retry-after:
+    the next request does not try it at all."""
+    settings = routed(primary, fallback, "busy@error_429_rate=1,retry_after_s=30")
+    async with run_gateway(settings) as gw:
+        first, _, _ = await stream(client, gw.url)
+        second, _, _ = await stream(client, gw.url)
+        latency = (await client.get(gw.url + "/admin/latency")).json()
+    assert first.headers["x-tailguard-route"] == "error_fallback"
+    assert first.headers["x-tailguard-attempts"] == "2"
+    assert second.headers["x-tailguard-deployment"] == "f/ok"
+    assert second.headers["x-tailguard-attempts"] == "1"
+    assert second.headers["x-tailguard-route"] == "error_fallback"
+    assert primary.stats.requests == 1
+    until = latency["deployments"]["p/busy@error_429_rate=1,retry_after_s=30"]["cooldown_until"]
+    assert 25 < until - time.time() <= 30
+
+
+async def test_all_cooling_is_a_503_with_retry_after(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """When every candidate is cooling down the gateway answers at once, with the soonest time
+    one may be tried again, instead of sending anything or hanging."""
+    settings = routed(
+        primary,
+        fallback,
+        "busy@error_429_rate=1,retry_after_s=20",
+        "busier@error_429_rate=1,retry_after_s=40",
+    )
+    async with run_gateway(settings) as gw:
+        first, _, _ = await stream(client, gw.url)
+        second = await client.post(
+            gw.base_url + "/chat/completions", json={"model": "m", "stream": True, **CHAT}
+        )
+    assert first.status_code == 429
+    assert second.status_code == 503
+    assert second.json()["error"]["code"] == "deployments_cooling_down"
+    assert 15 < int(second.headers["retry-after"]) <= 20
+    assert primary.stats.requests == 1 and fallback.stats.requests == 1
+
+
+async def test_repeated_failures_open_the_breaker(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """Three consecutive 500s open the breaker: later requests go straight to the fallback."""
+    settings = routed(primary, fallback, "bad@error_500_rate=1")
+    async with run_gateway(settings) as gw:
+        attempts = [
+            (await stream(client, gw.url))[0].headers["x-tailguard-attempts"] for _ in range(5)
+        ]
+    assert attempts == ["2", "2", "2", "1", "1"]
+    assert primary.stats.requests == 3
+
+
+async def test_retry_budget_spent_answers_with_the_error(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """With no retry budget, a failure is answered as it is rather than failed over."""
+    settings = routed(
+        primary,
+        fallback,
+        "bad@error_500_rate=1",
+        routing={"retry_budget": {"percent": 0, "min_concurrent": 0}},
+    )
+    async with run_gateway(settings) as gw:
+        resp = await client.post(gw.base_url + "/chat/completions", json={"model": "m", **CHAT})
+    assert resp.status_code == 502
+    assert fallback.stats.requests == 0
+
+
+# --- after commit --------------------------------------------------------------------------------
+
+
+async def test_no_failover_after_commit(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """Once tokens were sent, an upstream failure ends the stream with an error event: the
+    fallback is not tried and no [DONE] follows."""
+    settings = routed(primary, fallback, "cut@cut_rate=1,output_tokens=10")
+    async with run_gateway(settings) as gw:
+        resp, lines, _ = await stream(client, gw.url)
+    assert resp.status_code == 200
+    assert "data: [DONE]" not in lines
+    assert orjson.loads(lines[-1][6:])["error"]["code"] == "upstream_stream_error"
+    assert fallback.stats.requests == 0
+
+
+async def test_total_budget_cuts_a_committed_stream_with_an_error_event(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A stream still running when the total budget ends is cut with an error event; no chunk
+    claims it finished."""
+    settings = routed(
+        primary, fallback, "long@tokens_per_s=20,output_tokens=100", budget={"total_ms": 400}
+    )
+    async with run_gateway(settings) as gw:
+        resp, lines, _ = await stream(client, gw.url)
+        async with asyncio.timeout(1):
+            await primary.stats.wait_for(lambda s: s.cancelled == 1)
+    assert resp.status_code == 200
+    assert "data: [DONE]" not in lines
+    assert orjson.loads(lines[-1][6:])["error"]["code"] == "upstream_timeout"
+    finishes = [c["choices"][0].get("finish_reason") for c in events(lines) if c.get("choices")]
+    assert not any(finishes)
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+SLOW = "p/slow@prefill_base_ms=300"
+
+
+async def test_plan_routes_around_a_deployment_slower_than_the_budget(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """Once the window trusts the primary's p99 TTFT and it misses the budget, requests start on
+    the fallback (route `budget`) without trying the primary first."""
+    settings = routed(
+        primary,
+        fallback,
+        SLOW.removeprefix("p/"),
+        prior_ms=None,
+        budget={"ttft_ms": 200},
+        on_ttft_miss="none",
+        latency={"min_samples": 3},
+    )
+    async with run_gateway(settings) as gw:
+        for _ in range(3):
+            assert (await stream(client, gw.url))[0].headers["x-tailguard-route"] == "primary"
+        await poll_latency(client, gw.url, count("deployments", SLOW, n=3))
+        resp, _, _ = await stream(client, gw.url)
+    assert resp.headers["x-tailguard-route"] == "budget"
+    assert resp.headers["x-tailguard-deployment"] == "f/ok"
+    assert resp.headers["x-tailguard-attempts"] == "1"
+    assert primary.stats.requests == 3
