@@ -452,6 +452,8 @@ class Proxy:
                 f"attempt{index + 1};dur={(ended - attempt.started) * 1000:.1f};"
                 f'desc="{attempt.deployment} {attempt.outcome}"'
             )
+        if opened.connected:
+            timing.append(f"connect;dur={(opened.connected - opened.started) * 1000:.1f}")
         stage = "ttft" if self._call.stream else "upstream"
         timing.append(f"{stage};dur={(committed - self._t0) * 1000:.1f}")
         headers = [

@@ -31,7 +31,10 @@ from redis.backoff import NoBackoff
 from gateway.sketch import DEFAULT_ALPHA, Sketch, latency_report
 
 __all__ = [
+    "CANCELLED",
+    "HEDGE_LOST",
     "METRICS",
+    "NOT_FAILURES",
     "TTFT_DEADLINE",
     "FanOutRecorder",
     "LatencyStore",

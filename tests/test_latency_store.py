@@ -11,6 +11,8 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.latency import (
+    CANCELLED,
+    HEDGE_LOST,
     TTFT_DEADLINE,
     LatencyStore,
     MemoryLatencyStore,
@@ -95,6 +97,26 @@ def test_a_ttft_deadline_miss_is_a_censored_ttft_sample() -> None:
     d1 = stats(store)
     assert (d1.requests, d1.errors, d1.ttft.count, d1.total.count) == (3, 2, 3, 1)
     assert d1.ttft.p99 == pytest.approx(2000, rel=0.02)
+
+
+def test_hedges_count_for_the_requested_model_and_losing_is_no_error() -> None:
+    """A hedge counts against the model the client asked for (whose cap it spends), a lost race
+    is a censored TTFT sample but no error, a cancelled attempt is neither, and successful
+    attempts give the mean output length."""
+    store = MemoryLatencyStore(min_samples=1, clock=Clock())
+    store.record(Sample("d1", "chat", ok=False, total_s=0.4, error=HEDGE_LOST))
+    store.record(
+        Sample("d2", "backup", ok=True, total_s=1.0, ttft_s=0.3, output_tokens=30, hedge_for="chat")
+    )
+    store.record(Sample("d2", "backup", ok=False, total_s=0.1, error=CANCELLED, hedge_for="chat"))
+    store.record(Sample("d2", "backup", ok=True, total_s=1.0, ttft_s=0.3, output_tokens=10))
+    snapshot = store.local_snapshot()
+    chat, backup, d1 = snapshot.models["chat"], snapshot.models["backup"], stats(store)
+    assert (chat.requests, chat.hedges, chat.errors) == (1, 2, 0)
+    assert (backup.requests, backup.hedges, backup.errors) == (3, 0, 0)
+    assert (d1.ttft.count, d1.ttft.p99) == (1, pytest.approx(400, rel=0.02))
+    assert backup.output_tokens == 20
+    assert snapshot.deployments["d2"].ttft.count == 2
 
 
 def test_trust_needs_min_samples() -> None:
@@ -221,6 +243,7 @@ def same_numbers(shared: Snapshot, local: Snapshot) -> None:
             other = theirs[name]
             assert (stats_.ttft, stats_.tpot, stats_.total) == (other.ttft, other.tpot, other.total)
             assert (stats_.requests, stats_.errors) == (other.requests, other.errors)
+            assert (stats_.hedges, stats_.output_tokens) == (other.hedges, other.output_tokens)
 
 
 async def test_a_replica_sees_what_another_flushed(redis_server: RedisServer) -> None:
@@ -233,6 +256,7 @@ async def test_a_replica_sees_what_another_flushed(redis_server: RedisServer) ->
             a.record(ok("d2", "chat", ttft_ms=300))
         a.record(failed("d1", "chat"))
         a.record(Sample("d2", "chat", ok=False, total_s=1.5, error=TTFT_DEADLINE))
+        a.record(Sample("d3", "alt", ok=True, total_s=0.5, output_tokens=9, hedge_for="chat"))
         clock.now += 7  # into the next slice: the window spans two slices
         a.record(ok("d1", "chat", ttft_ms=80))
         await a.flush()
@@ -242,6 +266,7 @@ async def test_a_replica_sees_what_another_flushed(redis_server: RedisServer) ->
         assert shared.deployments["d1"].requests == 202
         assert shared.deployments["d2"].ttft.count == 201
         assert shared.models["chat"].errors == 2
+        assert (shared.models["chat"].hedges, shared.models["alt"].output_tokens) == (1, 9)
         same_numbers(shared, a.local_snapshot())
 
 

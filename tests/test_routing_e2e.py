@@ -385,3 +385,21 @@ async def test_plan_routes_around_a_deployment_slower_than_the_budget(
     assert resp.headers["x-tailguard-deployment"] == "f/ok"
     assert resp.headers["x-tailguard-attempts"] == "1"
     assert primary.stats.requests == 3
+
+
+async def test_anthropic_ingress_uses_the_same_attempt_loop(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """`/v1/messages` gets the same deadline and failover, answered in Anthropic's stream format."""
+    settings = routed(primary, fallback, "slow@stall_rate=1", budget={"ttft_ms": 300})
+    body = {"model": "m", "max_tokens": 16, "stream": True, **CHAT}
+    async with (
+        run_gateway(settings) as gw,
+        client.stream("POST", gw.url + "/v1/messages", json=body) as resp,
+    ):
+        text = (await resp.aread()).decode()
+    assert resp.status_code == 200
+    assert resp.headers["x-tailguard-route"] == "ttft_failover"
+    assert resp.headers["x-tailguard-deployment"] == "f/ok"
+    assert text.startswith("event: message_start")
+    assert text.rstrip().endswith('data: {"type":"message_stop"}')

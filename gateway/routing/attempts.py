@@ -94,6 +94,7 @@ class Opened:
     ended: bool  # the upstream already finished (non-streaming, or a stream read to its end)
     attempts: list[Attempt] = field(default_factory=list)
     started: float = 0.0  # when this attempt was opened (perf_counter seconds)
+    connected: float = 0.0  # when its response headers arrived
     route: Route = "primary"
     hedge_for: str | None = None  # the winner is a hedge: its sample and cap belong to this model
 
@@ -374,11 +375,14 @@ class _Race:
 
 async def _attempt(candidate: Candidate, prepared: Prepared) -> Opened:
     stream = await candidate.provider.open(candidate.id, prepared.request)
+    connected = time.perf_counter()  # the response headers are in
     try:
-        return await _until_first_token(candidate, stream, prepared)
+        opened = await _until_first_token(candidate, stream, prepared)
     except BaseException:
         await stream.aclose()
         raise
+    opened.connected = connected
+    return opened
 
 
 async def _until_first_token(
