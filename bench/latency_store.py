@@ -52,8 +52,8 @@ try:  # `python -m bench.latency_store` or `python bench/latency_store.py`
         wait_ready,
     )
 except ImportError:
-    from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore]
-    from overhead import (  # type: ignore[no-redef,unused-ignore]
+    from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
+    from overhead import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         MODEL,
         ROOT,
         VENV_BIN,

@@ -72,7 +72,7 @@ from typing import Any
 try:  # `python -m bench.overhead` or `python bench/overhead.py`
     from bench._load import LoadSpec, run_load
 except ImportError:
-    from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore]
+    from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

@@ -705,7 +705,7 @@ async def test_budget_headers_with_odd_digits_are_400(
             resp = await client.post(
                 gw.base_url + "/chat/completions",
                 json=chat(),
-                headers={"x-tailguard-ttft-budget-ms": value},
+                headers=[(b"x-tailguard-ttft-budget-ms", value)],
             )
             assert resp.status_code == 400
 

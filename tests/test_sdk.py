@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import openai
 import pytest
@@ -18,6 +19,7 @@ MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [
 @pytest.fixture(params=["http", "in-process"])
 async def gateway(request: pytest.FixtureRequest, upstream: Upstream) -> AsyncIterator[Gateway]:
     """A gateway over the simulator: as a server (vLLM-style provider) and in-process."""
+    provider: dict[str, Any]
     if request.param == "http":
         provider = {"type": "vllm", "base_url": upstream.base_url}
     else:
