@@ -171,11 +171,14 @@ class _Race:
         self.hedged = False
         self.timer_at: float | None = None  # perf_counter time to rescue `timed`
         self.timed: _Live | None = None
-        self.winner: asyncio.Task[Opened] | None = None
+        self.opened: Opened | None = None
+        self.solo: _Live | None = None  # the attempt running inline, if any
         end = policy.arrived + policy.ttft_s if policy.ttft_s is not None else None
         self.ttft_end = end if policy.on_ttft_miss != "none" else None
 
     async def run(self) -> Opened:
+        if self.ttft_end is None:
+            return await self._run_in_order()
         if not self._launch(self.plan.route):
             raise self._nothing_left()
         while True:
@@ -196,14 +199,48 @@ class _Race:
                 else:
                     self._failed(self.live.pop(task), error)
             if won:
-                return self._won(won[0])
+                return self._won(self.live.pop(won[0]), won[0].result())
             if not self.live and not self._failover():
                 raise self._nothing_left()
+
+    async def _run_in_order(self) -> Opened:
+        """Without a first-token deadline nothing races: the attempts run one after another,
+        inline, which spares the common path a task per request."""
+        why = self.plan.route
+        while True:
+            found = self._next(why)
+            if found is None:
+                raise self._nothing_left()
+            live, prepared = found
+            self.solo = live
+            try:
+                opened = await _attempt(live.candidate, prepared)
+            except Exception as error:
+                self.solo = None
+                self._failed(live, error)
+                if not self.queue or not self.guards.retries.acquire():
+                    raise self._nothing_left() from None
+                self.retries += 1
+                why = "error_fallback"
+                continue
+            self.solo = None
+            return self._won(live, opened)
 
     # -- starting attempts --
 
     def _launch(self, why: Route) -> bool:
-        """Start the next candidate that can be tried; False if none is left."""
+        """Start the next candidate that can be tried, as a task; False if none is left."""
+        found = self._next(why)
+        if found is None:
+            return False
+        live, prepared = found
+        task = asyncio.create_task(_attempt(live.candidate, prepared))
+        self.live[task] = live
+        self._arm(live, live.attempt.started)
+        return True
+
+    def _next(self, why: Route) -> tuple[_Live, Prepared] | None:
+        """The next candidate that can be tried, counted as started; None if none is left."""
         while self.queue:
             candidate = self.queue.popleft()
             if not self.guards.cooldowns.begin(candidate.id):
@@ -218,16 +255,14 @@ class _Race:
                 if not self.attempts and candidate is self.plan.candidates[0]:
                     raise  # the first choice cannot take the request: the request is at fault
                 continue  # a fallback that cannot express this request is skipped
-            now = time.perf_counter()
-            attempt = Attempt(candidate.id, candidate.model, now, hedge=why == "hedge")
+            attempt = Attempt(
+                candidate.id, candidate.model, time.perf_counter(), hedge=why == "hedge"
+            )
             self.attempts.append(attempt)
             if self.inflight is not None:
                 self.inflight.started(candidate.id, candidate.model)
-            task = asyncio.create_task(_attempt(candidate, prepared))
-            live = self.live[task] = _Live(candidate, attempt, why)
-            self._arm(live, now)
-            return True
-        return False
+            return _Live(candidate, attempt, why), prepared
+        return None
 
     def _arm(self, live: _Live, now: float) -> None:
         """Set when `live` is rescued if it has no first token yet (at most one hedge)."""
@@ -289,10 +324,8 @@ class _Race:
 
     # -- ending attempts --
 
-    def _won(self, task: asyncio.Task[Opened]) -> Opened:
-        live = self.live.pop(task)
-        self.winner = task
-        opened = task.result()
+    def _won(self, live: _Live, opened: Opened) -> Opened:
+        self.opened = opened
         live.attempt.outcome = "won"
         self.guards.cooldowns.succeeded(live.candidate.id)
         opened.attempts = self.attempts
@@ -348,6 +381,9 @@ class _Race:
         if self.retries:
             self.guards.retries.release(self.retries)
             self.retries = 0
+        if self.solo is not None:  # cancelled while running inline (its stream is closed)
+            self._ended(self.solo, CANCELLED)
+            self.solo = None
         if not self.live:
             return
         losers = list(self.live.items())
@@ -355,7 +391,7 @@ class _Race:
         for task, _ in losers:
             task.cancel()
         await asyncio.gather(*(task for task, _ in losers), return_exceptions=True)
-        winner = self.winner.result() if self.winner is not None else None
+        winner = self.opened
         for task, live in losers:
             if not task.cancelled() and task.exception() is None:
                 await task.result().stream.aclose()  # finished in the same instant: too late
