@@ -540,6 +540,11 @@ class Options:
     seed: int
     json_path: Path
     keep_logs: bool
+    stall_ms: tuple[int, int] = (2000, 4000)
+
+    @property
+    def primary_profile(self) -> dict[str, Any]:
+        return {**PRIMARY_PROFILE, "slow_ms": list(self.stall_ms)}
 
 
 def percentiles_ms(values_s: Sequence[float], missing: int = 0) -> dict[str, float | None]:
@@ -568,7 +573,7 @@ def run_mode(mode: str, opts: Options, pin: dict[str, list[str]], logs: Path) ->
         ports = {"primary": free_port(), "fallback": free_port(), "gateway": free_port()}
         # The same seeds in every mode: the primary draws its stalls in the same order, so the
         # modes differ in how the gateway reacts, not in the luck of the draw.
-        start_sim(stack, "primary", ports["primary"], PRIMARY_PROFILE, opts.seed)
+        start_sim(stack, "primary", ports["primary"], opts.primary_profile, opts.seed)
         start_sim(stack, "fallback", ports["fallback"], FALLBACK_PROFILE, opts.seed + 1)
         config = gateway_config(mode, ports["gateway"], ports["primary"], ports["fallback"])
         start_gateway(stack, ports["gateway"], config)
@@ -679,7 +684,7 @@ def report(opts: Options, results: dict[str, dict[str, Any]]) -> list[dict[str, 
     print(
         f"{opts.rps:g} requests/s open loop (Poisson), {opts.duration_s:g} s measured after "
         f"{opts.warmup_s:g} s warm-up; TTFT budget {TTFT_BUDGET_MS} ms; primary: 8% stall "
-        "2-4 s, else ~150 ms; fallback: ~300 ms"
+        f"{opts.stall_ms[0]}-{opts.stall_ms[1]} ms, else ~150 ms; fallback: ~300 ms"
     )
     print()
     print(
@@ -773,7 +778,20 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         "--json", type=Path, default=None, help="results file (bench/results/tail-<time>.json)"
     )
     parser.add_argument("--keep-logs", action="store_true", help="keep the configs and logs")
+    parser.add_argument(
+        "--stall-ms",
+        default="2000,4000",
+        help="LO,HI: how long the primary's slow 8%% wait before their first token (2000,4000); "
+        "e.g. 450,900 for a tail that recovers soon after the deadline, where hedging beats "
+        "failover",
+    )
     args = parser.parse_args(argv)
+    try:
+        low, high = (int(part) for part in args.stall_ms.split(","))
+    except ValueError:
+        parser.error("--stall-ms: two whole numbers of milliseconds, LO,HI")
+    if not 0 <= low <= high:
+        parser.error("--stall-ms: need 0 <= LO <= HI")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
         parser.error(f"--modes: a comma-separated subset of {', '.join(MODES)}")
@@ -790,6 +808,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         seed=args.seed,
         json_path=args.json or RESULTS_DIR / f"tail-{stamp}.json",
         keep_logs=args.keep_logs,
+        stall_ms=(low, high),
     )
 
 
@@ -845,7 +864,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "hedge_max_fraction": HEDGE_MAX_FRACTION,
             "pinned": warning is None,
         },
-        "profiles": {"primary": PRIMARY_PROFILE, "fallback": FALLBACK_PROFILE},
+        "profiles": {"primary": opts.primary_profile, "fallback": FALLBACK_PROFILE},
         "environment": environment(),
         "results": results,
         "targets": {"hedge": verdicts} if verdicts else {},

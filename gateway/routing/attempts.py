@@ -173,6 +173,7 @@ class _Race:
         self.timed: _Live | None = None
         self.opened: Opened | None = None
         self.solo: _Live | None = None  # the attempt running inline, if any
+        self.cut: list[asyncio.Task[Opened]] = []  # failed-over attempts, unwinding
         end = policy.arrived + policy.ttft_s if policy.ttft_s is not None else None
         self.ttft_end = end if policy.on_ttft_miss != "none" else None
 
@@ -308,7 +309,8 @@ class _Race:
         for task, live in list(self.live.items()):
             if live is slow:
                 del self.live[task]
-                task.cancel()
+                task.cancel()  # its stream is closed as the task unwinds, right away
+                self.cut.append(task)
                 self._ended(live, TTFT_DEADLINE)
 
     def _failover(self) -> bool:
@@ -384,6 +386,8 @@ class _Race:
         if self.solo is not None:  # cancelled while running inline (its stream is closed)
             self._ended(self.solo, CANCELLED)
             self.solo = None
+        if self.cut:
+            await asyncio.gather(*self.cut, return_exceptions=True)
         if not self.live:
             return
         losers = list(self.live.items())
