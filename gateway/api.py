@@ -1,8 +1,8 @@
 """The HTTP edge: the app factory, its lifespan, the routes, error responses and the SSE relay.
 
-Only this module imports FastAPI/Starlette. The app owns everything with a lifetime (provider
-clients, stores, background tasks) through one `AsyncExitStack` in the lifespan; handlers reach it
-as `request.state.services`.
+Only this module imports FastAPI/Starlette. Everything with a lifetime (provider clients, stores,
+background tasks) belongs to the `Runtime` the lifespan opens; a request reads its `Services`
+once, when admitted, so a config reload never changes what a request in flight uses.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import asyncio
 import gc
 import logging
 import os
-import random
 import re
 import time
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -25,12 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.config import ModelSpec, Settings, load_settings
+from gateway import semconv as sc
+from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
 from gateway.errors import (
     BodyTooLargeError,
     BudgetExceededError,
     GatewayError,
     InvalidRequestError,
+    OverloadedError,
     ProviderError,
     ProviderTimeoutError,
     StreamInterruptedError,
@@ -39,32 +41,27 @@ from gateway.errors import (
     stream_error,
 )
 from gateway.latency import (
-    FanOutRecorder,
-    LatencyStore,
-    MemoryLatencyStore,
     Recorder,
-    RedisLatencyStore,
     Sample,
     TargetStats,
-    connect_redis,
-    run_store,
 )
 from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
-from gateway.providers import open_providers
-from gateway.providers.base import Provider
 from gateway.routing import (
     Budget,
-    Guards,
     Opened,
     Plan,
     Policy,
     candidates,
-    fallback_chain,
     open_first,
     plan,
 )
+from gateway.runtime import Runtime, Services
 from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.telemetry import LatencyStoreCollector, Registry, exposition, make_registry
+from gateway.telemetry import (
+    RequestTrace,
+    configure_logging,
+    exposition,
+)
 from gateway.validate import parse_call
 
 log = logging.getLogger("tailguard")
@@ -73,22 +70,6 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
 _JSON = b"application/json"
 _SSE = b"text/event-stream; charset=utf-8"
-
-
-@dataclass(slots=True)
-class Services:
-    """Everything a handler needs, built once per app by the lifespan."""
-
-    settings: Settings
-    models: dict[str, ModelSpec]  # by name
-    chains: dict[str, list[ModelSpec]]  # by name: the model, then its fallbacks, transitively
-    providers: dict[str, Provider]
-    latency: LatencyStore  # rolling percentiles; read through its snapshot, never awaited
-    recorder: Recorder  # where finished attempts go: the latency store (and any extra recorder)
-    guards: Guards  # cooldowns, retry budget, hedge cap
-    rng: random.Random
-    started_at: float
-    metrics: Registry | None = None  # what GET /metrics exposes
 
 
 # --- the edge middleware: request id and arrival time on every request ---------------------------
@@ -100,6 +81,7 @@ LLM_ROUTES: dict[str, Endpoint] = {
     "/v1/embeddings": "embeddings",
     "/v1/messages": "messages",
 }
+_PATHS = {endpoint: path for path, endpoint in LLM_ROUTES.items()}
 
 
 class EdgeMiddleware:
@@ -265,20 +247,59 @@ async def serve_llm(scope: Scope, receive: Receive, send: Send, endpoint: Endpoi
         proxy = await _admit(scope, receive, endpoint)
     except GatewayError as error:
         await _send_error(send, error, wire, scope["tailguard.request_id"])
+        _refused(scope, endpoint, error.status, error.code or error.type)
         return
     except ClientGoneError:
+        _refused(scope, endpoint, 499, "client_disconnected")
         return
     except Exception:
         log.exception("unhandled error while admitting a request to %s", scope["path"])
         failure = GatewayError("The gateway failed to process the request.")
         await _send_error(send, failure, wire, scope["tailguard.request_id"])
+        _refused(scope, endpoint, 500, "internal")
         return
     await proxy(scope, receive, send)
 
 
+def _refused(scope: Scope, endpoint: Endpoint, status: int, error_type: str) -> None:
+    """Metrics and the access log line of a request answered before any upstream was tried."""
+    services = _services(scope)
+    model = scope.get("tailguard.model", "")  # set once the name is known to be configured
+    duration = time.perf_counter() - scope["tailguard.t0"]
+    services.meters.request(
+        model=model,
+        endpoint=endpoint,
+        deployment="",
+        route="",
+        status=status,
+        duration_s=duration,
+        overhead_s=None,
+        error_type=error_type,
+    )
+    if services.access.enabled:
+        services.access.write(
+            {
+                "time": round(time.time(), 3),
+                "request_id": scope["tailguard.request_id"],
+                "path": scope["path"],
+                "model": model,
+                "status": status,
+                "error": error_type,
+                "total_ms": round(duration * 1000, 3),
+            }
+        )
+
+
+def _services(scope: Scope) -> Services:
+    runtime: Runtime = scope["state"]["runtime"]
+    return runtime.services
+
+
 async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
-    services: Services = scope["state"]["services"]
-    raw = await read_body(scope, receive, services.settings.server.max_body_bytes)
+    limit = _services(scope).settings.server.max_body_bytes
+    raw = await read_body(scope, receive, limit)
+    # Read after the last await before the proxy starts: the request keeps these to its end.
+    services = _services(scope)
     call = parse_call(endpoint, raw)
     spec = services.models.get(call.model)
     if spec is None:
@@ -287,6 +308,7 @@ async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
             f"{', '.join(services.models)}.",
             param="model",
         )
+    scope["tailguard.model"] = spec.name
     call.request_id = scope["tailguard.request_id"]
     headers = read_headers(scope, call.request_id)
     call.forward_headers = headers.forward
@@ -353,40 +375,158 @@ class Proxy:
         self._client_gone = False
         self._started = False  # the status line went out: errors must now be in-band
         self._responded = False  # the last byte went out: a disconnect now is just the end
+        # How it ended, for metrics, the trace and the access log.
+        self._status = 499  # until something is sent: a client that leaves first
+        self._error_type: str | None = "client_disconnected"
+        self._opened: Opened | None = None
+        self._overhead_s: float | None = None
+        self._trace: RequestTrace | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(self._watch(receive, task))
-        retries = self._services.guards.retries
+        services = self._services
+        services.enter()
+        retries = services.guards.retries
         retries.active += 1
+        if services.tracing.enabled:
+            self._trace = self._start_trace(scope)
         try:
             await self._serve(send)
         except asyncio.CancelledError:
             # The client left: nothing is wrong with the server, unless something else (a
             # shutdown) asked for cancellation too.
             if not (self._client_gone and task.uncancel() == 0):
+                # The server is shutting down and its grace period is over: a stream that
+                # began says it was cut, rather than just stopping.
+                self._error_type = "shutdown"
+                await self._fail(send, "The gateway is shutting down.")
                 raise
+            self._error_type = "client_disconnected"
         except Exception:
             log.exception("request %s failed inside the gateway", self._call.request_id)
+            self._status, self._error_type = 500, "internal"
             await self._fail(send)
         finally:
             retries.active -= 1
             watcher.cancel()
+            self._finish()
+            services.leave()
 
-    async def _fail(self, send: Send) -> None:
-        """Answer an unexpected failure in the client's wire: a 500 before the status was sent,
-        an error event after it (never a silently cut stream)."""
+    def _start_trace(self, scope: Scope) -> RequestTrace | None:
+        call, policy = self._call, self._policy
+        attributes: dict[str, Any] = {
+            sc.HTTP_REQUEST_METHOD: "POST",
+            sc.HTTP_ROUTE: scope["path"],
+            sc.GEN_AI_OPERATION_NAME: sc.OPERATIONS[call.endpoint],
+            sc.GEN_AI_REQUEST_MODEL: call.model,
+            sc.TG_REQUEST_ID: call.request_id,
+        }
+        if call.max_tokens is not None:
+            attributes[sc.GEN_AI_REQUEST_MAX_TOKENS] = call.max_tokens
+        if policy.ttft_s is not None:
+            attributes[sc.TG_BUDGET_TTFT_MS] = round(policy.ttft_s * 1000)
+        if self._total_budget_s is not None:
+            attributes[sc.TG_BUDGET_TOTAL_MS] = round(self._total_budget_s * 1000)
+        return self._services.tracing.request(
+            f"POST {scope['path']}",
+            traceparent=call.forward_headers.get("traceparent"),
+            arrived=self._t0,
+            attributes=attributes,
+        )
+
+    def _finish(self) -> None:
+        """Count the request, end its spans and write its access log line."""
+        services, call, opened = self._services, self._call, self._opened
+        now = time.perf_counter()
+        deployment = route = ""
+        attempts = 0
+        tally = None
+        if opened is not None:
+            deployment, route, tally = opened.candidate.id, opened.route, opened.tally
+            attempts = len(opened.attempts)
+        services.meters.request(
+            model=self._policy.model,
+            endpoint=call.endpoint,
+            deployment=deployment,
+            route=route,
+            status=self._status,
+            duration_s=now - self._t0,
+            overhead_s=self._overhead_s,
+            error_type=self._error_type,
+        )
+        ttft_ms = None
+        if tally is not None and tally.first_token_at is not None:
+            ttft_ms = round((tally.first_token_at - self._t0) * 1000, 3)
+        trace = self._trace
+        if trace is not None:
+            if opened is not None and opened.attempt is not None and opened.attempt.span:
+                trace.end_attempt(
+                    opened.attempt.span,
+                    outcome="won" if self._error_type is None else f"won:{self._error_type}",
+                    error_type=self._error_type,
+                    ttft_s=(tally.first_token_at - opened.started)
+                    if tally is not None and tally.first_token_at is not None
+                    else None,
+                    input_tokens=tally.usage.input_tokens if tally is not None else None,
+                    output_tokens=tally.output_tokens if tally is not None else None,
+                    finish_reasons=tally.finish_reasons if tally is not None else (),
+                    response_model=opened.candidate.deployment.model,
+                )
+            attributes: dict[str, Any] = {sc.TG_MODEL: self._policy.model, sc.TG_ROUTE: route}
+            if opened is not None:
+                attributes[sc.TG_DEPLOYMENT] = deployment
+                attributes[sc.TG_ATTEMPTS] = attempts
+            if ttft_ms is not None:
+                attributes[sc.TG_TTFT_MS] = ttft_ms
+            if self._overhead_s is not None:
+                attributes[sc.TG_OVERHEAD_MS] = round(self._overhead_s * 1000, 3)
+            trace.end(status=self._status, attributes=attributes, error_type=self._error_type)
+        if services.access.enabled:
+            services.access.write(
+                {
+                    "time": round(time.time(), 3),
+                    "request_id": call.request_id,
+                    "trace_id": trace.trace_id if trace is not None else None,
+                    "path": _PATHS[call.endpoint],
+                    "model": self._policy.model,
+                    "stream": call.stream,
+                    "deployment": deployment or None,
+                    "route": route or None,
+                    "attempts": attempts,
+                    "status": self._status,
+                    "error": self._error_type,
+                    "ttft_ms": ttft_ms,
+                    "total_ms": round((now - self._t0) * 1000, 3),
+                    "input_tokens": tally.usage.input_tokens if tally is not None else None,
+                    "output_tokens": tally.output_tokens if tally is not None else None,
+                }
+            )
+
+    async def _fail(self, send: Send, why: str | None = None) -> None:
+        """Answer a failure of the gateway itself in the client's wire: a 500 (503 when shutting
+        down) before the status was sent, an error event after it (never a silently cut
+        stream). Best effort: the connection may be gone already."""
         if self._responded:
             return
         self._responded = True
-        if self._started:
-            cut = StreamInterruptedError("The gateway failed while relaying the response.")
-            body = stream_error(cut, self._call.wire)
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-        else:
-            error = GatewayError("The gateway failed to process the request.")
-            await _send_error(send, error, self._call.wire, self._call.request_id)
+        try:
+            if self._started:
+                cut = StreamInterruptedError(
+                    why or "The gateway failed while relaying the response."
+                )
+                body = stream_error(cut, self._call.wire)
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            elif why is not None:
+                self._status = 503
+                error: GatewayError = OverloadedError(why)
+                await _send_error(send, error, self._call.wire, self._call.request_id)
+            else:
+                error = GatewayError("The gateway failed to process the request.")
+                await _send_error(send, error, self._call.wire, self._call.request_id)
+        except Exception:  # the client or the transport went away first
+            log.debug("request %s: could not send the final error", self._call.request_id)
 
     async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         while True:
@@ -416,6 +556,7 @@ class Proxy:
                         guards=services.guards,
                         snapshot=services.latency.snapshot,
                         inflight=services.latency,
+                        trace=self._trace,
                     )
             except TimeoutError:
                 budget_ms = round((self._total_budget_s or 0) * 1000)
@@ -425,9 +566,12 @@ class Proxy:
         except GatewayError as error:
             if isinstance(error, ProviderError) or error.status >= 500:
                 log.warning("request %s failed: %s", call.request_id, error.message)
+            self._status, self._error_type = error.status, error.code or error.type
             await _send_error(send, error, call.wire, call.request_id)
             self._responded = True
             return
+        self._opened = opened
+        self._status, self._error_type = 200, None
         try:
             if call.stream:
                 await self._relay(opened, send)
@@ -445,6 +589,7 @@ class Proxy:
         committed = opened.tally.first_token_at or now
         route_ms = (first - self._t0) * 1000
         overhead_ms = route_ms + (now - committed) * 1000
+        self._overhead_s = overhead_ms / 1000
         timing = [f"route;dur={route_ms:.2f}"]
         for index, attempt in enumerate(opened.attempts):
             ended = attempt.ended or committed
@@ -492,6 +637,7 @@ class Proxy:
                 input_tokens=tally.usage.input_tokens,
                 output_tokens=tally.output_tokens,
                 hedge_for=opened.hedge_for,
+                endpoint=self._call.endpoint,
             )
         )
 
@@ -560,6 +706,7 @@ class Proxy:
             failure = StreamInterruptedError(error.message)
         if failure is not None:
             log.warning("request %s: stream cut: %s", call.request_id, failure.message)
+            self._error_type = failure.code
             tally.finish_reasons.append("error")
             await send(
                 {
@@ -595,6 +742,7 @@ class Proxy:
                 output_tokens=tokens,
                 error=error,
                 hedge_for=opened.hedge_for,
+                endpoint=self._call.endpoint,
             )
         )
 
@@ -614,55 +762,31 @@ async def _send_error(send: Send, error: GatewayError, wire: Wire, request_id: s
 # --- the app -------------------------------------------------------------------------------------
 
 
-async def _open_latency_store(settings: Settings, stack: AsyncExitStack) -> LatencyStore:
-    """The configured store, with its flush and refresh tasks running until `stack` closes."""
-    spec = settings.latency
-    store: LatencyStore
-    if spec.store == "redis":
-        assert spec.redis_url is not None  # checked by the config
-        redis = connect_redis(spec.redis_url.get_secret_value())
-        stack.push_async_callback(redis.aclose)  # after the store's final flush
-        store = RedisLatencyStore(
-            redis, window_s=spec.window_s, slice_s=spec.slice_s, min_samples=spec.min_samples
-        )
-    else:
-        store = MemoryLatencyStore(
-            window_s=spec.window_s, slice_s=spec.slice_s, min_samples=spec.min_samples
-        )
-    await stack.enter_async_context(run_store(store))
-    return store
-
-
-def create_app(settings: Settings, *, recorder: Recorder | None = None) -> ASGIApp:
+def create_app(
+    settings: Settings,
+    *,
+    recorder: Recorder | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_path: Path | None = None,
+) -> ASGIApp:
     """Build the gateway app for `settings`. Nothing is opened until its lifespan starts.
 
+    `environ` holds the `OTEL_*` variables tracing is configured from (default: `os.environ`).
+    With `config_path` (the file `settings` came from), the config is reloaded on SIGHUP and
+    whenever the file changes.
     The edge middleware is the outermost layer: the LLM endpoints are served from it without
     passing through the framework's middleware stack at all; everything else goes on to FastAPI.
     """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        async with AsyncExitStack() as stack:
-            providers = await open_providers(settings, stack)
-            latency = await _open_latency_store(settings, stack)
-            services = Services(
-                settings=settings,
-                models={m.name: m for m in settings.models},
-                chains={m.name: fallback_chain(m, settings) for m in settings.models},
-                providers=providers,
-                latency=latency,
-                recorder=FanOutRecorder(recorder, latency) if recorder is not None else latency,
-                guards=Guards(settings.routing.cooldown, settings.routing.retry_budget),
-                rng=random.Random(),
-                started_at=time.time(),
-            )
-            services.metrics = make_registry(
-                LatencyStoreCollector(
-                    latency.health,
-                    lambda: {d: s.inflight for d, s in latency.snapshot.deployments.items()},
-                )
-            )
-            yield {"services": services}
+        async with Runtime(
+            settings,
+            recorder=recorder,
+            environ=os.environ if environ is None else environ,
+            config_path=config_path,
+        ) as runtime:
+            yield {"runtime": runtime}
 
     app = FastAPI(
         title="Tailguard",
@@ -677,6 +801,43 @@ def create_app(settings: Settings, *, recorder: Recorder | None = None) -> ASGIA
     return EdgeMiddleware(app)
 
 
+def _latency_view(services: Services) -> dict[str, Any]:
+    """The body of `GET /admin/latency`: the snapshot, cooldowns, the store's health, the
+    configured models and cumulative request counts (what the dashboard draws)."""
+    body = services.latency.snapshot.as_dict()
+    deployments = body["deployments"]
+    for deployment, until in services.guards.cooldowns.until_wall().items():
+        if deployment not in deployments:  # cooling since before the snapshot was taken
+            deployments[deployment] = TargetStats.empty().as_dict()
+        deployments[deployment]["cooldown_until"] = round(until, 3)
+    body["store"] = services.latency.health()
+    body["config"] = {
+        "models": [
+            {
+                "name": m.name,
+                "deployments": [d.id for d in m.deployments],
+                "fallbacks": list(m.fallbacks),
+                "budget": {"ttft_ms": m.budget.ttft_ms, "total_ms": m.budget.total_ms},
+                "on_ttft_miss": m.on_ttft_miss,
+                "hedge_max_fraction": m.hedge_max_fraction,
+            }
+            for m in services.settings.models
+        ]
+    }
+    routes: dict[str, dict[str, int]] = {}
+    for (model, route), count in services.meters.routes.items():
+        routes.setdefault(model, {})[route or "none"] = count
+    hedges: dict[str, dict[str, int]] = {}
+    for (model, result), count in services.guards.hedges.counts.items():
+        hedges.setdefault(model, {})[result] = count
+    body["counters"] = {
+        "routes": routes,
+        "hedges": hedges,
+        "cooldowns": dict(services.guards.cooldowns.opened),
+    }
+    return body
+
+
 def _add_routes(app: FastAPI) -> None:
     async def wrong_method(request: Request) -> Response:
         raise StarletteHTTPException(405, "Method Not Allowed")
@@ -689,7 +850,7 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        services: Services = request.state.services
+        services = _services(request.scope)
         created = int(services.started_at)
         data = [
             {"id": m.name, "object": "model", "created": created, "owned_by": "tailguard"}
@@ -701,19 +862,27 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/admin/latency")
     async def admin_latency(request: Request) -> Response:
-        services: Services = request.state.services
-        body = services.latency.snapshot.as_dict()
-        deployments = body["deployments"]
-        for deployment, until in services.guards.cooldowns.until_wall().items():
-            if deployment not in deployments:  # cooling since before the snapshot was taken
-                deployments[deployment] = TargetStats.empty().as_dict()
-            deployments[deployment]["cooldown_until"] = round(until, 3)
-        return Response(orjson.dumps(body), media_type="application/json")
+        services = _services(request.scope)
+        return Response(orjson.dumps(_latency_view(services)), media_type="application/json")
+
+    page = (Path(__file__).parent / "static" / "dashboard.html").read_bytes()
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response(
+            page,
+            media_type="text/html; charset=utf-8",
+            headers={
+                "cache-control": "no-cache",
+                # The page talks to its own origin only and loads nothing from elsewhere.
+                "content-security-policy": "default-src 'self'; script-src 'self' "
+                "'unsafe-inline'; style-src 'self' 'unsafe-inline'; img-src 'self' data:",
+            },
+        )
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        services: Services = request.state.services
-        assert services.metrics is not None
+        services = _services(request.scope)
         return Response(exposition(services.metrics), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/healthz")
@@ -722,20 +891,23 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:
-        services: Services = request.state.services
+        runtime: Runtime = request.scope["state"]["runtime"]
+        services = runtime.services
         body = {
             "status": "ready",
             "providers": sorted(services.providers),
             "models": [m.name for m in services.settings.models],
             # Still ready when the store is degraded: requests do not depend on it.
             "latency_store": services.latency.health(),
+            "config": runtime.health(),
         }
         return Response(orjson.dumps(body), media_type="application/json")
 
 
 def create_app_from_env() -> ASGIApp:
     """App factory for `uvicorn --factory` and worker processes: loads `$TAILGUARD_CONFIG`."""
-    app = create_app(load_settings())
+    configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
+    app = create_app(load_settings(), config_path=config_path())
     tune_gc()
     return app
 

@@ -25,6 +25,7 @@ from gateway.sim.engine import SimProfile
 
 DEFAULT_CONFIG_PATH = "config/gateway.yaml"
 CONFIG_PATH_ENV = "TAILGUARD_CONFIG"
+LOG_LEVEL_ENV = "TAILGUARD_LOG_LEVEL"  # how `serve --workers N` passes --log-level on
 
 ProviderType = Literal["openai", "vllm", "anthropic", "simulated"]
 Priority = Literal["interactive", "bulk"]
@@ -46,6 +47,9 @@ class ServerSpec(_Spec):
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
     workers: Annotated[int, Field(ge=1, le=64)] = 1
     max_body_bytes: Annotated[int, Field(gt=0)] = 10 * 1024 * 1024
+    access_log: bool = True  # one JSON line per LLM request on stdout
+    shutdown_grace_s: Annotated[float, Field(ge=0, le=3600)] = 30.0  # for in-flight streams
+    reload_on_change: bool = True  # reload when the config file changes (SIGHUP always does)
 
 
 class LatencySpec(_Spec):

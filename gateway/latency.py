@@ -4,7 +4,8 @@
 deployment and per model name, one sketch per metric (`ttft`, `tpot`, `total`) and per time slice;
 the window is the sum of its slices. `refresh()` swaps in an immutable `Snapshot` for the router.
 `MemoryLatencyStore` serves one process; `RedisLatencyStore` shares the slices between replicas
-and falls back to its own numbers while Redis is unreachable. `run_store` owns their background
+(through a standalone Redis, a Sentinel-managed one or a Redis Cluster: see `connect_redis`) and
+falls back to its own numbers while Redis is unreachable. `run_store` owns their background
 flush and refresh tasks.
 """
 
@@ -15,17 +16,22 @@ import logging
 import math
 import os
 import random
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, TypeVar
+from urllib.parse import parse_qsl, unquote
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
 from gateway.sketch import DEFAULT_ALPHA, Sketch, latency_report
@@ -42,7 +48,9 @@ __all__ = [
     "MemoryRecorder",
     "MetricStats",
     "Recorder",
+    "RedisClient",
     "RedisLatencyStore",
+    "RedisTarget",
     "Sample",
     "Sketch",
     "Snapshot",
@@ -50,6 +58,7 @@ __all__ = [
     "connect_redis",
     "latency_report",
     "observations",
+    "parse_redis_url",
     "run_store",
 ]
 
@@ -72,6 +81,7 @@ class Sample:
     output_tokens: int | None = None
     error: str | None = None  # why the attempt ended early (low-cardinality), when not ok
     hedge_for: str | None = None  # a hedge, started for a request to this model name
+    endpoint: str = ""  # chat | completions | embeddings | messages (for telemetry)
 
 
 class Recorder(Protocol):
@@ -484,19 +494,201 @@ class MemoryLatencyStore:
         pass
 
 
-def connect_redis(url: str, *, timeout_s: float = 0.25, max_connections: int = 4) -> Redis:
-    """A client suited to `RedisLatencyStore`: short timeouts, no retries (the store's breaker
-    decides when to try again) and a small pool, so an outage cannot cause a connection storm.
+# --- connecting ------------------------------------------------------------------------------
 
-    The caller owns the client and must `await client.aclose()`.
+RedisClient = Redis | RedisCluster
+"""What `RedisLatencyStore` talks to: a standalone or Sentinel-managed Redis, or a Redis Cluster."""
+
+RedisTopology = Literal["standalone", "sentinel", "cluster"]
+_STANDALONE_SCHEMES = ("redis", "rediss", "unix")
+_SENTINEL_SCHEME = "redis+sentinel"
+_CLUSTER_SCHEME = "redis+cluster"
+_SCHEMES = "redis://, rediss://, unix://, redis+sentinel:// or redis+cluster://"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """A parsed Redis URL (see `parse_redis_url`); `repr` leaves the credentials out."""
+
+    topology: RedisTopology
+    nodes: tuple[tuple[str, int], ...] = ()  # the sentinels, or the cluster's startup nodes
+    service: str | None = None  # the master's name at the sentinels
+    db: int = 0
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+    sentinel_password: str | None = field(default=None, repr=False)
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    """Check a Redis URL and say which topology it names. Accepted forms:
+
+    - `redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS), `unix://[[user]:
+      password@]/path.sock[?db=N]`: one Redis server (redis-py's own URL syntax, query included);
+    - `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db]
+      [?sentinel_password=password]`: the master that the Sentinels at `host:port` (default port
+      26379) know as `service`; the credentials are the master's, `sentinel_password` (if the
+      Sentinels themselves require one) the Sentinels';
+    - `redis+cluster://[[user]:password@]host[:port][,host[:port]...][/]`: a Redis Cluster
+      discovered from these startup nodes (default port 6379); database 0 only.
+
+    User names and passwords are percent-decoded (encode `@`, `:`, `/`, `,` and `%` in them). An
+    IPv6 host is written in brackets, `[::1]:26379`. Raises ValueError with a message that never
+    repeats the URL or any part of its credentials.
     """
-    return Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        max_connections=max_connections,
-        retry=Retry(NoBackoff(), 0),
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in (*_STANDALONE_SCHEMES, _SENTINEL_SCHEME, _CLUSTER_SCHEME):
+        raise ValueError(f"Redis URL: unsupported scheme; expected {_SCHEMES}")
+    if scheme in _STANDALONE_SCHEMES:
+        try:
+            parse_url(url)
+        except ValueError as exc:
+            raise ValueError(f"Redis URL: {_safe_reason(exc, rest)}") from None
+        return RedisTarget("standalone")
+    # The host list holds commas, which urlsplit's port parsing would reject: split by hand.
+    location, _, query = rest.partition("?")
+    location, hash_, _ = location.partition("#")
+    if hash_:
+        raise ValueError("Redis URL: a fragment (#...) is not allowed")
+    credentials, at, location = location.rpartition("@")
+    hosts, slash, path = location.partition("/")
+    if at and "/" in credentials:
+        raise ValueError("Redis URL: percent-encode '/' in the user name or password (%2F)")
+    username, colon, password = credentials.partition(":")
+    options = _query(query, allowed=("sentinel_password",) if scheme == _SENTINEL_SCHEME else ())
+    default_port = 26379 if scheme == _SENTINEL_SCHEME else 6379
+    target = RedisTarget(
+        "standalone",  # replaced below
+        nodes=_nodes(hosts, default_port),
+        username=unquote(username) or None,
+        password=unquote(password) if colon and password else None,
+        sentinel_password=options.get("sentinel_password") or None,
     )
+    parts = [unquote(p) for p in path.split("/")] if slash else []
+    if parts and not parts[-1]:
+        parts.pop()  # a trailing slash
+    if scheme == _CLUSTER_SCHEME:
+        if parts not in ([], ["0"]):
+            raise ValueError("Redis URL: a Redis Cluster has database 0 only; leave the path empty")
+        return replace(target, topology="cluster")
+    if not parts or not parts[0]:
+        raise ValueError(
+            "Redis URL: name the master after the sentinels, redis+sentinel://host:port/<service>"
+        )
+    if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError(
+            "Redis URL: the path after the sentinels is /<service>[/<db>], db a number"
+        )
+    db = int(parts[1]) if len(parts) == 2 else 0
+    return replace(target, topology="sentinel", service=parts[0], db=db)
+
+
+def _nodes(hosts: str, default_port: int) -> tuple[tuple[str, int], ...]:
+    """`host[:port],...` as pairs. Errors name the node by position: text around an unencoded
+    special character in a password could end up here, so none of it is repeated."""
+    found: list[tuple[str, int]] = []
+    items = hosts.split(",")
+    for number, item in enumerate(items, 1):
+        where = f"node {number} of {len(items)}"
+        if item.startswith("["):  # [IPv6]:port
+            host, closed, after = item[1:].partition("]")
+            if not closed or (after and not after.startswith(":")):
+                raise ValueError(f"Redis URL: {where}: expected [IPv6 address]:port")
+            port_text = after[1:]
+        else:
+            host, _, port_text = item.partition(":")
+            if ":" in port_text:
+                raise ValueError(f"Redis URL: {where}: write an IPv6 address in brackets")
+        if not host:
+            raise ValueError(f"Redis URL: {where}: no host (expected host:port,host:port)")
+        if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+            raise ValueError(f"Redis URL: {where}: the port is not a number from 1 to 65535")
+        found.append((host, int(port_text) if port_text else default_port))
+    return tuple(found)
+
+
+def _query(query: str, allowed: tuple[str, ...]) -> dict[str, str]:
+    options = dict(parse_qsl(query, keep_blank_values=True))
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        accepted = f"only {', '.join(allowed)} is accepted" if allowed else "none is accepted"
+        raise ValueError(f"Redis URL: unknown query parameter {unknown[0]!r} ({accepted})")
+    return options
+
+
+def _safe_reason(exc: ValueError, rest: str) -> str:
+    """redis-py's reason for rejecting a URL, unless it might quote part of the credentials."""
+    reason = str(exc)
+    credentials = rest.partition("?")[0].rpartition("@")[0]
+    if any(piece and piece in reason for piece in re.split(r"[:/]", credentials)):
+        return "cannot parse it (percent-encode special characters in the password)"
+    return reason
+
+
+class _SentinelMaster(Redis):
+    """The master's client from `Sentinel.master_for`. The clients it asks for the master's
+    address have connections of their own: closing the master's client closes them too."""
+
+    sentinels: tuple[Redis, ...] = ()
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        try:
+            await super().aclose(close_connection_pool)
+        finally:
+            for sentinel in self.sentinels:
+                await sentinel.aclose()
+
+
+def connect_redis(url: str, *, timeout_s: float = 0.25, max_connections: int = 4) -> RedisClient:
+    """A client suited to `RedisLatencyStore`: short timeouts, no retries (the store's breaker
+    decides when to try again) and a small pool (per node, for a cluster), so an outage cannot
+    cause a connection storm. The URL picks the topology: see `parse_redis_url`.
+
+    Nothing is connected yet. The caller owns the client and must `await client.aclose()`.
+    Raises ValueError (a message without the URL's secrets) when the URL is not usable.
+    """
+    target = parse_redis_url(url)
+    if target.topology == "standalone":
+        return Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 0),
+        )
+    if target.topology == "cluster":
+        # Without retries the client never re-reads the slot map by itself after a failover;
+        # RedisLatencyStore closes it after a failure so that the next call does.
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
+            username=target.username,
+            password=target.password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 0),
+        )
+    assert target.service is not None  # parse_redis_url requires it
+    timeouts: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "max_connections": max_connections,
+    }
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        target.nodes,
+        sentinel_kwargs={**timeouts, "password": target.sentinel_password},
+        username=target.username,
+        password=target.password,
+        db=target.db,
+        **timeouts,
+    )
+    # A master's connection asks the sentinels where the master is whenever it (re)connects, so
+    # a failover is followed on the first call after the breaker lets the store try again.
+    master = sentinel.master_for(target.service, redis_class=_SentinelMaster)
+    assert isinstance(master, _SentinelMaster)
+    master.sentinels = tuple(sentinel.sentinels)
+    return master
 
 
 class RedisLatencyStore(MemoryLatencyStore):
@@ -522,14 +714,18 @@ class RedisLatencyStore(MemoryLatencyStore):
     (`source="local-fallback"`). Touched slices stay marked until a flush succeeds; a slice that
     leaves the window before then is counted in `dropped_samples` (still counted locally).
 
-    The store borrows `redis` (see `connect_redis`); the caller closes it after `aclose()`.
+    Every command names one key and the pipelines are not transactions, so on a Redis Cluster
+    the client splits each pipeline by node and no command crosses slots; the index is one key.
+
+    The store borrows `redis` (see `connect_redis`: a standalone, Sentinel-managed or cluster
+    client); the caller closes it after `aclose()`.
     """
 
     _source: Source = "local-fallback"  # until the first successful read
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         *,
         window_s: float = 60.0,
         slice_s: float = 5.0,
@@ -602,6 +798,17 @@ class RedisLatencyStore(MemoryLatencyStore):
         delay = min(self._backoff_max_s, self._backoff_min_s * 2 ** (self._failures_in_row - 1))
         self._retry_at = self._clock() + delay * self._rng.uniform(0.8, 1.2)
 
+    async def _forget_topology(self) -> None:
+        """Cluster only: make the next call re-read the slot map. A cluster client that does not
+        retry never does so by itself, so after a failover it would keep calling the dead primary;
+        closed, it drops its connections and rediscovers nodes and slots on its next call."""
+        if isinstance(self._redis, RedisCluster):
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await self._redis.aclose()
+            except Exception as exc:  # the next call tries again anyway
+                logger.debug("latency store: closing the cluster client failed (%r)", exc)
+
     def _succeeded(self) -> None:
         if self._failures_in_row:
             logger.warning("latency store: Redis is back after %d failures", self._failures_in_row)
@@ -651,6 +858,7 @@ class RedisLatencyStore(MemoryLatencyStore):
             for tag, index, _ in writes:
                 place = (tag, index)
                 self._dirty[place] = self._dirty.get(place, 0) + dirty[place]
+            await self._forget_topology()
         else:
             self._succeeded()
 
@@ -662,6 +870,7 @@ class RedisLatencyStore(MemoryLatencyStore):
             except Exception as exc:  # fail open, as in flush
                 self.refresh_failures += 1
                 self._failed(exc)
+                await self._forget_topology()
             else:
                 self._succeeded()
                 return self._snapshot

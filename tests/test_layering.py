@@ -17,8 +17,8 @@ LIBRARY_OWNERS = {
     "httpx": set(),
     "aiohttp": {"gateway.providers.http", "gateway.probe"},
     "redis": {"gateway.latency"},
-    "opentelemetry": {"gateway.telemetry", "gateway.api"},
-    "prometheus_client": {"gateway.telemetry"},
+    "opentelemetry": {"gateway.telemetry.tracing"},
+    "prometheus_client": {"gateway.telemetry.prometheus", "gateway.telemetry.meters"},
     "typer": {"gateway.cli"},
     "rich": {"gateway.cli"},
 }

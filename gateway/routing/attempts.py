@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.config import OnTTFTMiss
 from gateway.errors import (
@@ -29,6 +30,21 @@ from gateway.providers.base import UpstreamStream, inband_error
 from gateway.providers.request import Prepared, prepare
 from gateway.routing.guards import PROBE_WAIT_S, Guards
 from gateway.routing.plan import Candidate, Plan, Route, deadline, hedge_point
+from gateway.semconv import OPERATIONS
+
+
+class AttemptTracer(Protocol):
+    """Spans per attempt (implemented by telemetry; routing only calls it)."""
+
+    def attempt(
+        self, *, operation: str, model: str, provider: str, address: str | None, hedge: bool
+    ) -> tuple[Any, str]:
+        """Start a span for an attempt; returns it and the `traceparent` to send upstream."""
+        ...
+
+    def capture_prompt(self, span: Any, body: Mapping[str, Any]) -> None: ...
+
+    def end_attempt(self, span: Any, *, outcome: str, error_type: str | None = None) -> None: ...
 
 
 class InflightTracker(Protocol):
@@ -50,6 +66,7 @@ class Attempt:
     ended: float | None = None
     outcome: str = "open"
     hedge: bool = False
+    span: Any = None  # its trace span, when tracing is on
 
 
 @dataclass(slots=True)
@@ -96,6 +113,7 @@ class Opened:
     started: float = 0.0  # when this attempt was opened (perf_counter seconds)
     connected: float = 0.0  # when its response headers arrived
     route: Route = "primary"
+    attempt: Attempt | None = None  # the winning attempt
     hedge_for: str | None = None  # the winner is a hedge: its sample and cap belong to this model
 
 
@@ -121,13 +139,14 @@ async def open_first(
     guards: Guards,
     snapshot: Snapshot,
     inflight: InflightTracker | None = None,
+    trace: AttemptTracer | None = None,
 ) -> Opened:
     """Start candidates until one commits; the only place failover and hedging happen.
 
     Raises the request's own error (an InvalidRequestError from the first candidate, or a
     non-retryable ProviderError), CoolingDownError, or AllCandidatesFailedError.
     """
-    race = _Race(call, plan, policy, headers, recorder, guards, snapshot, inflight)
+    race = _Race(call, plan, policy, headers, recorder, guards, snapshot, inflight, trace)
     try:
         return await race.run()
     finally:
@@ -152,8 +171,10 @@ class _Race:
         guards: Guards,
         snapshot: Snapshot,
         inflight: InflightTracker | None,
+        trace: AttemptTracer | None,
     ) -> None:
         self.call = call
+        self.trace = trace
         self.plan = plan
         self.policy = policy
         self.headers = headers
@@ -247,18 +268,35 @@ class _Race:
             if not self.guards.cooldowns.begin(candidate.id):
                 self.cooling_skipped = True
                 continue
+            headers = self.headers
+            span = None
+            trace = self.trace
+            if trace is not None:
+                provider = candidate.provider
+                span, traceparent = trace.attempt(
+                    operation=OPERATIONS.get(self.call.endpoint, self.call.endpoint),
+                    model=candidate.deployment.model,
+                    provider=provider.system,
+                    address=provider.address,
+                    hedge=why == "hedge",
+                )
+                headers = {**headers, "traceparent": traceparent}
             try:
                 prepared = prepare(
-                    self.call, candidate.provider, candidate.deployment.model, self.headers
+                    self.call, candidate.provider, candidate.deployment.model, headers
                 )
-            except InvalidRequestError:
+            except InvalidRequestError as error:
+                if trace is not None:
+                    trace.end_attempt(span, outcome="skipped", error_type=error.code)
                 self.guards.cooldowns.abandoned(candidate.id)
                 if not self.attempts and candidate is self.plan.candidates[0]:
                     raise  # the first choice cannot take the request: the request is at fault
                 continue  # a fallback that cannot express this request is skipped
             attempt = Attempt(
-                candidate.id, candidate.model, time.perf_counter(), hedge=why == "hedge"
+                candidate.id, candidate.model, time.perf_counter(), hedge=why == "hedge", span=span
             )
+            if trace is not None:
+                trace.capture_prompt(span, self.call.body)
             self.attempts.append(attempt)
             if self.inflight is not None:
                 self.inflight.started(candidate.id, candidate.model)
@@ -333,8 +371,10 @@ class _Race:
         opened.attempts = self.attempts
         opened.started = live.attempt.started
         opened.route = live.why
+        opened.attempt = live.attempt
         if live.attempt.hedge:
             opened.hedge_for = self.policy.model
+            self.guards.hedges.count(self.policy.model, "won")
         return opened
 
     def _failed(self, live: _Live, error: BaseException) -> None:
@@ -373,10 +413,16 @@ class _Race:
                     total_s=attempt.ended - attempt.started,
                     error=error,
                     hedge_for=hedge_for,
+                    endpoint=self.call.endpoint,
                 )
             )
         if hedge_for is not None:
             self.guards.hedges.release(hedge_for)
+        if attempt.span is not None and self.trace is not None:
+            failed = outcome.startswith("error:")
+            self.trace.end_attempt(
+                attempt.span, outcome=outcome, error_type=outcome[6:] if failed else None
+            )
 
     async def settle(self) -> None:
         """Close every attempt but the winner, and give back the retry budget."""

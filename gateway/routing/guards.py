@@ -51,6 +51,7 @@ class Cooldowns:
         self._clock = clock
         self._rng = rng or random.Random()
         self._states: dict[str, _Breaker] = {}
+        self.opened: dict[str, int] = {}  # times each breaker opened
 
     def cooling(self) -> Mapping[str, float]:
         """Deployments that may not be tried now, with the seconds until they may."""
@@ -100,6 +101,8 @@ class Cooldowns:
         now = self._clock()
         probe, state.probing = state.probing, False
         if isinstance(error, RateLimitedError) and error.retry_after_s:
+            if state.until <= now:
+                self.opened[deployment] = self.opened.get(deployment, 0) + 1
             state.tripped = True
             state.failures = 0
             state.until = max(state.until, now + min(error.retry_after_s, self._spec.max_s))
@@ -113,6 +116,7 @@ class Cooldowns:
             state.trips += 1
             state.tripped = True
             state.failures = 0
+            self.opened[deployment] = self.opened.get(deployment, 0) + 1
 
     def until_wall(self) -> dict[str, float]:
         """The end of each cooldown in progress, as Unix time (for `/admin/latency`)."""
@@ -159,6 +163,7 @@ class HedgeBudget:
         self._ended: dict[str, int] = {}  # since the snapshot was taken
         self._snapshot_at = 0.0
         self.denied = 0
+        self.counts: dict[tuple[str, str], int] = {}  # (model, started|won|denied) -> hedges
 
     def acquire(self, model: str, fraction: float, snapshot: Snapshot) -> bool:
         if snapshot.taken_at != self._snapshot_at:
@@ -170,9 +175,15 @@ class HedgeBudget:
         used = hedged + self._inflight.get(model, 0) + self._ended.get(model, 0)
         if used + 1 <= fraction * max(attempts, HEDGE_FLOOR_REQUESTS):
             self._inflight[model] = self._inflight.get(model, 0) + 1
+            self.count(model, "started")
             return True
         self.denied += 1
+        self.count(model, "denied")
         return False
+
+    def count(self, model: str, result: str) -> None:
+        key = (model, result)
+        self.counts[key] = self.counts.get(key, 0) + 1
 
     def release(self, model: str) -> None:
         """The hedge ended (and is about to be recorded in the statistics)."""
@@ -182,6 +193,7 @@ class HedgeBudget:
     def refund(self, model: str) -> None:
         """The hedge could not be started after all."""
         self._inflight[model] -= 1
+        self.counts[(model, "started")] -= 1
 
 
 class Guards:

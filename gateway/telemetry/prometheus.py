@@ -1,9 +1,5 @@
-"""Telemetry: Prometheus exposition. Every metric name lives here.
-
-Metrics are read when scraped, from state the rooms already keep, so the request path pays
-nothing for them. Each app owns its registry (no process-global state), so several apps in one
-process (tests, workers) never mix their numbers.
-"""
+"""Prometheus exposition, and the collectors that read the latency store's state at scrape time
+(the request path pays nothing for them)."""
 
 from __future__ import annotations
 

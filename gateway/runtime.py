@@ -1,0 +1,301 @@
+"""What a running gateway holds, and how a new config replaces it without dropping a request.
+
+`Runtime` owns the parts that live as long as the process (latency store, tracing, metrics
+registry) and the current `Services`: everything a request needs that the config decides
+(models, provider connection pools, guards). A request reads `runtime.services` once, when it is
+admitted, and keeps that object to its end. A reload builds a complete new `Services` first and
+swaps the pointer; the old one's connection pools are closed once its last request has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import signal
+import time
+from collections.abc import Mapping
+from contextlib import AsyncExitStack, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.config import ConfigError, ModelSpec, Settings, load_settings
+from gateway.latency import (
+    FanOutRecorder,
+    LatencyStore,
+    MemoryLatencyStore,
+    Recorder,
+    RedisLatencyStore,
+    connect_redis,
+    run_store,
+)
+from gateway.providers import open_providers
+from gateway.providers.base import Provider
+from gateway.routing import Guards, fallback_chain
+from gateway.telemetry import (
+    AccessLog,
+    GuardsCollector,
+    LatencyStoreCollector,
+    Meters,
+    Registry,
+    Tracing,
+    make_registry,
+    tracing_from_env,
+)
+
+log = logging.getLogger("tailguard")
+
+
+@dataclass(slots=True, eq=False)
+class Services:
+    """Everything a request needs, as one config decided it."""
+
+    settings: Settings
+    models: dict[str, ModelSpec]  # by name
+    chains: dict[str, list[ModelSpec]]  # by name: the model, then its fallbacks, transitively
+    providers: dict[str, Provider]
+    latency: LatencyStore  # rolling percentiles; read through its snapshot, never awaited
+    recorder: Recorder  # where finished attempts go: the latency store, metrics (and a test's)
+    guards: Guards  # cooldowns, retry budget, hedge cap
+    meters: Meters  # the request path's metrics
+    tracing: Tracing  # spans, or no-ops when exporting is off
+    access: AccessLog
+    rng: random.Random
+    started_at: float
+    metrics: Registry  # what GET /metrics exposes
+    active: int = 0  # requests admitted under these services and not yet finished
+    retired: bool = False  # a reload replaced these services
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # retired and no request left
+    _pools: AsyncExitStack = field(default_factory=AsyncExitStack)  # the providers' sessions
+
+    def enter(self) -> None:
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active == 0 and self.retired:
+            self.idle.set()
+
+
+class Runtime:
+    """The gateway's state for one app lifespan. Use `async with Runtime.start(...)`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        recorder: Recorder | None,
+        environ: Mapping[str, str],
+        config_path: Path | None,
+    ) -> None:
+        self.config_path = config_path
+        self.reloads = 0  # successful reloads
+        self.reload_failures = 0
+        self.loaded_at = time.time()
+        self._initial = settings
+        self._extra_recorder = recorder
+        self._environ = environ
+        self._stack = AsyncExitStack()
+        self._draining: set[asyncio.Task[Any]] = set()  # referenced until done
+        self._reload_lock = asyncio.Lock()
+        self.services: Services  # set by __aenter__
+
+    async def __aenter__(self) -> Runtime:
+        stack = self._stack
+        await stack.__aenter__()
+        try:
+            settings = self._initial
+            self.latency = await _open_latency_store(settings, stack)
+            self.tracing = tracing_from_env(self._environ)
+            # Flushes what is queued, bounded by the exporter's timeout, off the event loop.
+            stack.push_async_callback(asyncio.to_thread, self.tracing.shutdown)
+            self.registry = make_registry(
+                LatencyStoreCollector(
+                    self.latency.health,
+                    lambda: {d: s.inflight for d, s in self.latency.snapshot.deployments.items()},
+                ),
+                GuardsCollector(
+                    lambda: self.services.guards.cooldowns.opened,
+                    lambda: self.services.guards.hedges.counts,
+                    lambda: self.services.guards.retries.denied,
+                    lambda: self.tracing.dropped,
+                ),
+            )
+            self.meters = Meters(self.registry, {})
+            self.services = await self._build(settings, guards=None)
+            stack.push_async_callback(self._close_all)
+            if self.config_path is not None:
+                self._watch(stack)
+        except BaseException:
+            await stack.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.__aexit__(None, None, None)
+
+    async def _build(self, settings: Settings, guards: Guards | None) -> Services:
+        pools = AsyncExitStack()
+        providers = await open_providers(settings, pools)
+        self.meters.describe(
+            {
+                d.id: (providers[d.provider].system, d.model)
+                for m in settings.models
+                for d in m.deployments
+            }
+        )
+        recorders: list[Recorder] = [self.latency, self.meters]
+        if self._extra_recorder is not None:
+            recorders.append(self._extra_recorder)
+        return Services(
+            settings=settings,
+            models={m.name: m for m in settings.models},
+            chains={m.name: fallback_chain(m, settings) for m in settings.models},
+            providers=providers,
+            latency=self.latency,
+            recorder=FanOutRecorder(*recorders),
+            guards=guards or Guards(settings.routing.cooldown, settings.routing.retry_budget),
+            meters=self.meters,
+            tracing=self.tracing,
+            access=AccessLog(settings.server.access_log),
+            rng=random.Random(),
+            started_at=time.time(),
+            metrics=self.registry,
+            _pools=pools,
+        )
+
+    # -- reloading --
+
+    async def reload(self) -> bool:
+        """Load the config file again and, if it is valid, serve it from the next request on.
+
+        An invalid file is logged and the running config kept. `server` and `latency` changes
+        need a restart: they are kept as they were, with a warning.
+        """
+        if self.config_path is None:
+            return False
+        async with self._reload_lock:
+            old = self.services
+            try:
+                settings = await asyncio.to_thread(load_settings, self.config_path)
+            except ConfigError as exc:
+                self.reload_failures += 1
+                log.error("config reload rejected, the running config is kept: %s", exc)
+                return False
+            fixed = {}
+            for part in ("server", "latency"):
+                if getattr(settings, part) != getattr(old.settings, part):
+                    log.warning("config reload: `%s` changes need a restart; kept as it was", part)
+                    fixed[part] = getattr(old.settings, part)
+            if fixed:
+                settings = settings.model_copy(update=fixed)
+            same_routing = settings.routing == old.settings.routing
+            try:
+                new = await self._build(settings, guards=old.guards if same_routing else None)
+            except Exception:
+                self.reload_failures += 1
+                log.exception("config reload failed, the running config is kept")
+                return False
+            self.services = new
+            self.reloads += 1
+            self.loaded_at = time.time()
+            log.info(
+                "config reloaded from %s: %d models, %d providers",
+                self.config_path,
+                len(settings.models),
+                len(settings.providers),
+            )
+            task = asyncio.create_task(self._drain(old), name="drain-old-config")
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
+            return True
+
+    async def _drain(self, old: Services) -> None:
+        """Close the replaced config's connection pools once its last request has ended."""
+        old.retired = True
+        if old.active > 0:
+            await old.idle.wait()
+        await old._pools.aclose()
+
+    def _watch(self, stack: AsyncExitStack) -> None:
+        """Reload on SIGHUP and whenever the config file changes."""
+        loop = asyncio.get_running_loop()
+        with suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
+            stack.callback(loop.remove_signal_handler, signal.SIGHUP)
+        if self._initial.server.reload_on_change:
+            assert self.config_path is not None
+            watcher = asyncio.create_task(
+                self._watch_file(_digest(self.config_path)), name="config-watch"
+            )
+            stack.push_async_callback(_cancel, watcher)
+
+    def health(self) -> dict[str, Any]:
+        """The config part of `/readyz`."""
+        return {
+            "path": str(self.config_path) if self.config_path is not None else None,
+            "loaded_at": round(self.loaded_at, 3),
+            "reloads": self.reloads,
+            "reload_failures": self.reload_failures,
+        }
+
+    def _reload_soon(self) -> None:
+        task = asyncio.create_task(self.reload(), name="config-reload")
+        self._draining.add(task)  # keeps a reference until done
+        task.add_done_callback(self._draining.discard)
+
+    async def _watch_file(self, seen: bytes | None) -> None:
+        from watchfiles import awatch
+
+        assert self.config_path is not None
+        path = self.config_path
+        # Watch the directory: editors and Kubernetes ConfigMap updates replace the file (or a
+        # symlink to it) rather than write it. Only a change of content reloads; the content is
+        # also checked every second, so a change made before the watch began is not missed.
+        async for _ in awatch(
+            path.parent, debounce=200, step=50, rust_timeout=1000, yield_on_timeout=True
+        ):
+            digest = await asyncio.to_thread(_digest, path)
+            if digest != seen:
+                seen = digest
+                await self.reload()
+
+    async def _close_all(self) -> None:
+        for task in list(self._draining):
+            task.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
+        await self.services._pools.aclose()
+
+
+def _digest(path: Path) -> bytes | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).digest()
+    except OSError:
+        return None  # mid-replacement: the next event will see the new file
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+
+
+async def _open_latency_store(settings: Settings, stack: AsyncExitStack) -> LatencyStore:
+    """The configured store, with its flush and refresh tasks running until `stack` closes."""
+    spec = settings.latency
+    store: LatencyStore
+    if spec.store == "redis":
+        assert spec.redis_url is not None  # checked by the config
+        redis = connect_redis(spec.redis_url.get_secret_value())
+        stack.push_async_callback(redis.aclose)  # after the store's final flush
+        store = RedisLatencyStore(
+            redis, window_s=spec.window_s, slice_s=spec.slice_s, min_samples=spec.min_samples
+        )
+    else:
+        store = MemoryLatencyStore(
+            window_s=spec.window_s, slice_s=spec.slice_s, min_samples=spec.min_samples
+        )
+    await stack.enter_async_context(run_store(store))
+    return store

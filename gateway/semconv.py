@@ -1,0 +1,88 @@
+"""Every telemetry name the gateway emits, in one place.
+
+The OpenTelemetry GenAI semantic conventions are still being renamed between releases; when they
+move, this file is the only one to change. Metric names are the Prometheus spellings of the
+OpenTelemetry ones (dots become underscores, the unit is appended).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- GenAI span attributes (gen-ai-spans) --------------------------------------------------------
+GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME: Final = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS: Final = "gen_ai.request.max_tokens"
+GEN_AI_RESPONSE_MODEL: Final = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID: Final = "gen_ai.response.id"
+GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
+GEN_AI_USAGE_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+GEN_AI_INPUT_MESSAGES: Final = "gen_ai.input.messages"  # only when content capture is enabled
+GEN_AI_TOKEN_TYPE: Final = "gen_ai.token.type"
+
+# --- general attributes --------------------------------------------------------------------------
+SERVER_ADDRESS: Final = "server.address"
+SERVER_PORT: Final = "server.port"
+ERROR_TYPE: Final = "error.type"
+HTTP_REQUEST_METHOD: Final = "http.request.method"
+HTTP_RESPONSE_STATUS_CODE: Final = "http.response.status_code"
+HTTP_ROUTE: Final = "http.route"
+URL_PATH: Final = "url.path"
+
+# --- the gateway's own attributes ----------------------------------------------------------------
+TG_REQUEST_ID: Final = "tailguard.request.id"
+TG_MODEL: Final = "tailguard.model"  # the model name the client asked for
+TG_DEPLOYMENT: Final = "tailguard.deployment"
+TG_ROUTE: Final = "tailguard.route"
+TG_ATTEMPTS: Final = "tailguard.attempts"
+TG_ATTEMPT_OUTCOME: Final = "tailguard.attempt.outcome"  # won, error:429, ttft_deadline, ...
+TG_ATTEMPT_HEDGE: Final = "tailguard.attempt.hedge"
+TG_BUDGET_TTFT_MS: Final = "tailguard.budget.ttft_ms"
+TG_BUDGET_TOTAL_MS: Final = "tailguard.budget.total_ms"
+TG_TTFT_MS: Final = "tailguard.ttft_ms"
+TG_OVERHEAD_MS: Final = "tailguard.overhead_ms"
+
+# Operation names (gen_ai.operation.name) per gateway endpoint.
+OPERATIONS: Final = {
+    "chat": "chat",
+    "messages": "chat",
+    "completions": "text_completion",
+    "embeddings": "embeddings",
+}
+
+# --- metrics -------------------------------------------------------------------------------------
+# GenAI client metrics (per upstream attempt) and the server metric (per client request).
+CLIENT_OPERATION_DURATION: Final = "gen_ai_client_operation_duration_seconds"
+CLIENT_TOKEN_USAGE: Final = "gen_ai_client_token_usage"
+CLIENT_TIME_TO_FIRST_CHUNK: Final = "gen_ai_client_operation_time_to_first_chunk_seconds"
+CLIENT_TIME_PER_OUTPUT_CHUNK: Final = "gen_ai_client_operation_time_per_output_chunk_seconds"
+SERVER_REQUEST_DURATION: Final = "gen_ai_server_request_duration_seconds"
+# Label names: the attribute names with dots as underscores.
+L_OPERATION: Final = "gen_ai_operation_name"
+L_PROVIDER: Final = "gen_ai_provider_name"
+L_REQUEST_MODEL: Final = "gen_ai_request_model"
+L_TOKEN_TYPE: Final = "gen_ai_token_type"
+L_ERROR_TYPE: Final = "error_type"
+
+# Bucket advice of the GenAI conventions.
+DURATION_BUCKETS: Final = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+TOKEN_BUCKETS: Final = (
+    1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
+)  # fmt: skip
+OVERHEAD_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+)  # fmt: skip
+
+# The gateway's own metrics.
+REQUESTS: Final = "tailguard_requests"  # counter: model, deployment, route, status
+ATTEMPTS: Final = "tailguard_attempts"  # counter: deployment, outcome
+FALLBACKS: Final = "tailguard_fallbacks"  # counter: model, reason
+HEDGES: Final = "tailguard_hedges"  # counter: model, result (started, won, denied)
+COOLDOWNS: Final = "tailguard_cooldowns"  # counter: deployment (times its breaker opened)
+RETRY_BUDGET_EXHAUSTED: Final = "tailguard_retry_budget_exhausted"
+OVERHEAD: Final = "tailguard_overhead_seconds"  # histogram: model
+SPANS_DROPPED: Final = "tailguard_trace_spans_dropped"  # counter: the export queue was full

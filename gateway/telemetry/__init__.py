@@ -1,0 +1,32 @@
+"""Telemetry: Prometheus metrics, OpenTelemetry traces and the access log.
+
+Names live in `gateway.semconv`. The request path only increments counters and, when tracing is
+configured, starts and ends spans; everything else happens at scrape or export time, off the
+request path. Each app owns its registry and tracer provider, so apps never mix their numbers.
+"""
+
+from gateway.telemetry.access import AccessLog, configure_logging
+from gateway.telemetry.meters import GuardsCollector, Meters
+from gateway.telemetry.prometheus import (
+    CONTENT_TYPE,
+    LatencyStoreCollector,
+    Registry,
+    exposition,
+    make_registry,
+)
+from gateway.telemetry.tracing import RequestTrace, Tracing, tracing_from_env
+
+__all__ = [
+    "CONTENT_TYPE",
+    "AccessLog",
+    "GuardsCollector",
+    "LatencyStoreCollector",
+    "Meters",
+    "Registry",
+    "RequestTrace",
+    "Tracing",
+    "configure_logging",
+    "exposition",
+    "make_registry",
+    "tracing_from_env",
+]

@@ -1,0 +1,201 @@
+"""The gateway's Prometheus metrics: GenAI client metrics per upstream attempt, the server metric
+and counters per client request, and the routing guards' counters read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway import semconv as sc
+from gateway.latency import CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Sample
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # `*_created` series double the exposition and no dashboard reads them
+_ABANDONED = (TTFT_DEADLINE, HEDGE_LOST, CANCELLED)  # attempts cut short: no duration of their own
+
+
+class Meters:
+    """Metrics the request path updates. Also a `Recorder`: every finished upstream attempt is
+    handed here as a `Sample`, like to the latency store.
+
+    `deployments` maps a deployment id to its (gen_ai.provider.name, upstream model) pair.
+    Label children are cached: the request path does a dict lookup, not a label validation.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry, deployments: Mapping[str, tuple[str, str]]
+    ) -> None:
+        self._deployments = dict(deployments)
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+        # (model, route or "error") -> requests since start: what the dashboard reads.
+        self.routes: dict[tuple[str, str], int] = {}
+        ops = [sc.L_OPERATION, sc.L_PROVIDER, sc.L_REQUEST_MODEL]
+        self.requests = Counter(
+            sc.REQUESTS,
+            "Client requests, by the model asked for, the deployment that served (empty when "
+            "none did), the route and the HTTP status.",
+            ["model", "deployment", "route", "status"],
+            registry=registry,
+        )
+        self.attempts = Counter(
+            sc.ATTEMPTS,
+            "Upstream attempts by how they ended: won, error, ttft_deadline, hedge_lost, "
+            "cancelled.",
+            ["deployment", "outcome"],
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            sc.FALLBACKS,
+            "Requests served by a candidate other than the first, by why: budget, "
+            "budget_unattainable, ttft_failover, error_fallback.",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.client_duration = Histogram(
+            sc.CLIENT_OPERATION_DURATION,
+            "GenAI operation duration per upstream attempt that completed or failed.",
+            [*ops, sc.L_ERROR_TYPE],
+            buckets=sc.DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Histogram(
+            sc.CLIENT_TOKEN_USAGE,
+            "Tokens per successful upstream attempt, input and output.",
+            [*ops, sc.L_TOKEN_TYPE],
+            buckets=sc.TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.first_chunk = Histogram(
+            sc.CLIENT_TIME_TO_FIRST_CHUNK,
+            "Time from an upstream attempt's start to its first content chunk (streams).",
+            ops,
+            buckets=sc.DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.per_chunk = Histogram(
+            sc.CLIENT_TIME_PER_OUTPUT_CHUNK,
+            "Mean time per output chunk after the first, per streamed attempt.",
+            ops,
+            buckets=sc.DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.server_duration = Histogram(
+            sc.SERVER_REQUEST_DURATION,
+            "Client request duration at the gateway, by the model asked for.",
+            [sc.L_OPERATION, sc.L_REQUEST_MODEL, sc.L_ERROR_TYPE],
+            buckets=sc.DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            sc.OVERHEAD,
+            "Gateway time on a request outside the upstream: before the first attempt, and "
+            "relaying the committing event.",
+            ["model"],
+            buckets=sc.OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+
+    def describe(self, deployments: Mapping[str, tuple[str, str]]) -> None:
+        """Learn the (provider name, upstream model) of deployments (a reload may add some)."""
+        self._deployments.update(deployments)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def record(self, sample: Sample) -> None:
+        """One finished upstream attempt."""
+        error = sample.error
+        outcome = "won" if sample.ok else (error if error in _ABANDONED else "error")
+        self._child(self.attempts, sample.deployment, outcome or "error").inc()
+        if outcome in _ABANDONED:
+            return
+        system, model = self._deployments.get(sample.deployment, ("", sample.deployment))
+        operation = sc.OPERATIONS.get(sample.endpoint, sample.endpoint)
+        self._child(
+            self.client_duration, operation, system, model, "" if sample.ok else error or "error"
+        ).observe(sample.total_s)
+        if not sample.ok:
+            return
+        if sample.ttft_s is not None:
+            self._child(self.first_chunk, operation, system, model).observe(sample.ttft_s)
+        if sample.tpot_s is not None:
+            self._child(self.per_chunk, operation, system, model).observe(sample.tpot_s)
+        if sample.input_tokens is not None:
+            self._child(self.tokens, operation, system, model, "input").observe(sample.input_tokens)
+        if sample.output_tokens is not None:
+            self._child(self.tokens, operation, system, model, "output").observe(
+                sample.output_tokens
+            )
+
+    def request(
+        self,
+        *,
+        model: str,
+        endpoint: str,
+        deployment: str,
+        route: str,
+        status: int,
+        duration_s: float,
+        overhead_s: float | None,
+        error_type: str | None,
+    ) -> None:
+        """One client request, answered (or failed) as `status`."""
+        self._child(self.requests, model, deployment, route, str(status)).inc()
+        key = (model, route if status < 400 else "error")
+        self.routes[key] = self.routes.get(key, 0) + 1
+        operation = sc.OPERATIONS.get(endpoint, endpoint)
+        self._child(self.server_duration, operation, model, error_type or "").observe(duration_s)
+        if overhead_s is not None:
+            self._child(self.overhead, model).observe(overhead_s)
+        if route not in ("", "primary", "hedge"):
+            self._child(self.fallbacks, model, route).inc()
+
+
+class GuardsCollector(Collector):
+    """Counters kept elsewhere, read at scrape time: breaker openings per deployment, hedges
+    started/won/denied per model, failovers refused by the retry budget, spans dropped."""
+
+    def __init__(
+        self,
+        cooldowns: Callable[[], Mapping[str, int]],
+        hedges: Callable[[], Mapping[tuple[str, str], int]],
+        retries_denied: Callable[[], int],
+        spans_dropped: Callable[[], int],
+    ) -> None:
+        self._cooldowns = cooldowns
+        self._hedges = hedges
+        self._retries_denied = retries_denied
+        self._spans_dropped = spans_dropped
+
+    def collect(self) -> Iterator[Metric]:
+        opened = CounterMetricFamily(
+            sc.COOLDOWNS, "Times a deployment's circuit breaker opened.", labels=["deployment"]
+        )
+        for deployment, count in sorted(self._cooldowns().items()):
+            opened.add_metric([deployment], float(count))
+        yield opened
+        hedges = CounterMetricFamily(
+            sc.HEDGES,
+            "Hedges by result: started, won (served the request), denied (over the cap).",
+            labels=["model", "result"],
+        )
+        for (model, result), count in sorted(self._hedges().items()):
+            hedges.add_metric([model, result], float(count))
+        yield hedges
+        denied = CounterMetricFamily(
+            sc.RETRY_BUDGET_EXHAUSTED, "Failovers not made because the retry budget was spent."
+        )
+        denied.add_metric([], float(self._retries_denied()))
+        yield denied
+        dropped = CounterMetricFamily(
+            sc.SPANS_DROPPED, "Trace spans dropped because the export queue was full."
+        )
+        dropped.add_metric([], float(self._spans_dropped()))
+        yield dropped

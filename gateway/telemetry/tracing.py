@@ -1,0 +1,304 @@
+"""OpenTelemetry traces: a SERVER span per client request and a CLIENT span per upstream attempt,
+named and attributed per the GenAI semantic conventions (names in `gateway.semconv`).
+
+Configured from the standard `OTEL_*` environment variables and off unless an OTLP endpoint (or
+`OTEL_TRACES_EXPORTER`) is set. Spans are exported by a batch processor from its own thread with
+a bounded queue: an unreachable collector costs dropped spans (counted), never a slower request.
+Nothing a client sent is recorded except, with content capture explicitly enabled, the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import unquote
+
+import orjson
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import sampling as samplers
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gateway import semconv as sc
+
+logger = logging.getLogger(__name__)
+_PROPAGATOR = TraceContextTextMapPropagator()
+_MAX_CONTENT = 8192  # characters of a captured prompt
+
+
+class _CountingProcessor(BatchSpanProcessor):
+    """A batch processor that counts the spans it had to drop because its queue was full."""
+
+    def __init__(self, exporter: SpanExporter, max_queue_size: int) -> None:
+        super().__init__(exporter, max_queue_size=max_queue_size)
+        self.max_queue_size = max_queue_size
+        self.dropped = 0
+
+    def on_end(self, span: ReadableSpan) -> None:
+        queue = getattr(getattr(self, "_batch_processor", None), "_queue", None)
+        if queue is not None and len(queue) >= self.max_queue_size:
+            self.dropped += 1
+        super().on_end(span)
+
+
+class Tracing:
+    """The app's tracer, or nothing: when `provider` is None every method is a cheap no-op."""
+
+    def __init__(
+        self,
+        provider: TracerProvider | None = None,
+        processor: _CountingProcessor | None = None,
+        *,
+        capture_content: bool = False,
+    ) -> None:
+        self.provider = provider
+        self._processor = processor
+        self._tracer = provider.get_tracer("tailguard") if provider is not None else None
+        self.capture_content = capture_content
+
+    @property
+    def enabled(self) -> bool:
+        return self._tracer is not None
+
+    @property
+    def dropped(self) -> int:
+        return self._processor.dropped if self._processor is not None else 0
+
+    def request(
+        self,
+        name: str,
+        *,
+        traceparent: str | None,
+        arrived: float,
+        attributes: Mapping[str, Any],
+    ) -> RequestTrace | None:
+        """A SERVER span for one client request, continuing the client's trace if it sent one.
+        `arrived` is the request's `time.perf_counter()` arrival time."""
+        if self._tracer is None:
+            return None
+        parent = _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else None
+        start_ns = time.time_ns() - int((time.perf_counter() - arrived) * 1e9)
+        span = self._tracer.start_span(
+            name,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=dict(attributes),
+            start_time=start_ns,
+        )
+        return RequestTrace(self, span)
+
+    def shutdown(self) -> None:
+        """Flush what is queued (bounded by the exporter's timeout) and stop the export thread."""
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+class RequestTrace:
+    """The spans of one request: its SERVER span and a CLIENT span per upstream attempt."""
+
+    __slots__ = ("_tracing", "span")
+
+    def __init__(self, tracing: Tracing, span: Span) -> None:
+        self._tracing = tracing
+        self.span = span
+
+    @property
+    def trace_id(self) -> str:
+        return format(self.span.get_span_context().trace_id, "032x")
+
+    def attempt(
+        self, *, operation: str, model: str, provider: str, address: str | None, hedge: bool
+    ) -> tuple[Span, str]:
+        """Start a CLIENT span for an upstream attempt; returns it and the `traceparent` to send
+        upstream (this span as the parent: the upstream's spans nest under the attempt)."""
+        tracer = self._tracing._tracer
+        assert tracer is not None
+        attributes: dict[str, Any] = {
+            sc.GEN_AI_OPERATION_NAME: operation,
+            sc.GEN_AI_PROVIDER_NAME: provider,
+            sc.GEN_AI_REQUEST_MODEL: model,
+            sc.TG_ATTEMPT_HEDGE: hedge,
+        }
+        if address:
+            attributes[sc.SERVER_ADDRESS] = address
+        span = tracer.start_span(
+            f"{operation} {model}",
+            context=trace.set_span_in_context(self.span, otel_context.Context()),
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+        )
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        return span, carrier.get("traceparent", "")
+
+    def capture_prompt(self, span: Span, body: Mapping[str, Any]) -> None:
+        """Record the prompt on an attempt span, only when content capture is enabled."""
+        if not self._tracing.capture_content:
+            return
+        messages = body.get("messages", body.get("prompt", body.get("input")))
+        if messages is not None:
+            text = orjson.dumps(messages).decode()[:_MAX_CONTENT]
+            span.set_attribute(sc.GEN_AI_INPUT_MESSAGES, text)
+
+    @staticmethod
+    def end_attempt(
+        span: Span,
+        *,
+        outcome: str,
+        error_type: str | None = None,
+        ttft_s: float | None = None,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        finish_reasons: Sequence[str] = (),
+        response_model: str | None = None,
+    ) -> None:
+        span.set_attribute(sc.TG_ATTEMPT_OUTCOME, outcome)
+        if ttft_s is not None:
+            span.set_attribute(sc.TG_TTFT_MS, round(ttft_s * 1000, 3))
+        if input_tokens is not None:
+            span.set_attribute(sc.GEN_AI_USAGE_INPUT_TOKENS, input_tokens)
+        if output_tokens is not None:
+            span.set_attribute(sc.GEN_AI_USAGE_OUTPUT_TOKENS, output_tokens)
+        if finish_reasons:
+            span.set_attribute(sc.GEN_AI_RESPONSE_FINISH_REASONS, list(finish_reasons))
+        if response_model:
+            span.set_attribute(sc.GEN_AI_RESPONSE_MODEL, response_model)
+        if error_type:
+            span.set_attribute(sc.ERROR_TYPE, error_type)
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    def end(self, *, status: int, attributes: Mapping[str, Any], error_type: str | None) -> None:
+        span = self.span
+        span.set_attributes(dict(attributes))
+        span.set_attribute(sc.HTTP_RESPONSE_STATUS_CODE, status)
+        if error_type:
+            span.set_attribute(sc.ERROR_TYPE, error_type)
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+
+# --- configuration from the environment -----------------------------------------------------------
+
+
+def tracing_from_env(environ: Mapping[str, str]) -> Tracing:
+    """Tracing as the standard `OTEL_*` variables describe it; disabled unless an OTLP endpoint
+    or `OTEL_TRACES_EXPORTER=otlp|console` is set, or when `OTEL_SDK_DISABLED=true`."""
+    capture = _truthy(environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"))
+    if _truthy(environ.get("OTEL_SDK_DISABLED")):
+        return Tracing(capture_content=capture)
+    exporter_name = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if exporter_name == "none" or (not endpoint and exporter_name not in ("otlp", "console")):
+        return Tracing(capture_content=capture)
+    exporter = _exporter(environ, exporter_name)
+    resource = _resource(environ)
+    provider = TracerProvider(resource=resource, sampler=_sampler(environ))
+    queue = int(environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048") or 2048)
+    processor = _CountingProcessor(exporter, max_queue_size=max(1, queue))
+    provider.add_span_processor(processor)
+    # The batch processor logs one warning per dropped span; drops are counted in /metrics.
+    logging.getLogger("opentelemetry.sdk._shared_internal").setLevel(logging.ERROR)
+    return Tracing(provider, processor, capture_content=capture)
+
+
+def _exporter(environ: Mapping[str, str], name: str) -> SpanExporter:
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    protocol = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()
+    headers = _headers(
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+        or environ.get("OTEL_EXPORTER_OTLP_HEADERS")
+        or ""
+    )
+    timeout = float(
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
+        or environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")
+        or 10
+    )
+    if timeout > 1000:  # the spec says milliseconds; older SDKs read seconds
+        timeout /= 1000
+    signal_endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        target = signal_endpoint or base or "http://localhost:4317"
+        insecure = target.startswith("http://") or _truthy(
+            environ.get("OTEL_EXPORTER_OTLP_INSECURE")
+        )
+        return GrpcExporter(
+            endpoint=target, headers=headers, timeout=timeout, insecure=insecure or None
+        )
+    if protocol != "http/protobuf":
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not supported "
+            "(use http/protobuf or grpc)"
+        )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+
+    # Per the spec, only the generic endpoint gets the signal path appended.
+    url = signal_endpoint or (base or "http://localhost:4318").rstrip("/") + "/v1/traces"
+    return HttpExporter(endpoint=url, headers=headers, timeout=timeout)
+
+
+def _headers(text: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if sep and name.strip():
+            found[unquote(name.strip()).lower()] = unquote(value.strip())
+    return found
+
+
+def _resource(environ: Mapping[str, str]) -> Resource:
+    attributes: dict[str, Any] = {"service.name": "tailguard"}
+    for part in environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        name, sep, value = part.partition("=")
+        if sep and name.strip():
+            attributes[unquote(name.strip())] = unquote(value.strip())
+    if environ.get("OTEL_SERVICE_NAME"):
+        attributes["service.name"] = environ["OTEL_SERVICE_NAME"]
+    return Resource.create(attributes)
+
+
+def _sampler(environ: Mapping[str, str]) -> samplers.Sampler:
+    name = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    try:
+        ratio = float(environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0") or 1.0)
+    except ValueError:
+        ratio = 1.0
+    ratio = min(1.0, max(0.0, ratio))
+    choices: dict[str, samplers.Sampler] = {
+        "always_on": samplers.ALWAYS_ON,
+        "always_off": samplers.ALWAYS_OFF,
+        "traceidratio": samplers.TraceIdRatioBased(ratio),
+        "parentbased_always_on": samplers.ParentBased(samplers.ALWAYS_ON),
+        "parentbased_always_off": samplers.ParentBased(samplers.ALWAYS_OFF),
+        "parentbased_traceidratio": samplers.ParentBased(samplers.TraceIdRatioBased(ratio)),
+    }
+    if name not in choices:
+        raise ValueError(f"OTEL_TRACES_SAMPLER: {name!r} is not one of {', '.join(choices)}")
+    return choices[name]
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
