@@ -225,6 +225,7 @@ async def test_run_store_refreshes_in_the_background_and_stops_cleanly() -> None
 @asynccontextmanager
 async def client(url: str) -> AsyncIterator[Redis]:
     redis = connect_redis(url)
+    assert isinstance(redis, Redis)  # a redis:// URL: one server
     try:
         yield redis
     finally:

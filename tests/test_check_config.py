@@ -1,0 +1,306 @@
+"""`tailguard check-config --explain`: the resolved routing table, with no secret in it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from gateway.cli import app
+from gateway.config import Settings, load_settings
+from gateway.models import Call
+from gateway.providers import open_providers
+from gateway.providers.base import Provider
+from gateway.routing import candidates, fallback_chain
+
+CONFIGS = sorted([Path("config/gateway.yaml"), *Path("config/examples").glob("*.yaml")])
+
+SECRETS = {
+    "OPENAI_API_KEY": "sk-test-SECRET-123",
+    "ANTHROPIC_API_KEY": "sk-ant-SECRET-456",
+    "VLLM_API_KEY": "vllm-SECRET-789",
+    "REDIS_URL": "redis://:redis-SECRET-000@10.0.0.5:6379/0",
+}
+
+
+def secret_values() -> list[str]:
+    return ["sk-test-SECRET-123", "sk-ant-SECRET-456", "vllm-SECRET-789", "redis-SECRET-000"]
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """The real CLI in this process: (exit code, stdout, stderr)."""
+    result = CliRunner().invoke(app, ["check-config", *args], env={**SECRETS, **(env or {})})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def report(config: Path | str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    code, out, err = run("--config", str(config), "--json", env=env)
+    assert code == 0, err
+    parsed: dict[str, Any] = json.loads(out)
+    return parsed
+
+
+def order(config: Path | str, model: str) -> list[tuple[str, str]]:
+    """(deployment, the model name it serves under) of each candidate, in order."""
+    return [(c["deployment"], c["model"]) for c in report(config)["models"][model]["candidates"]]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    return path
+
+
+# --- the routing table --------------------------------------------------------------------------
+
+
+def test_fallbacks_are_expanded_in_routing_order() -> None:
+    """A model's deployments in file order, then its fallbacks', then theirs (each deployment
+    once), each under the model name it serves."""
+    assert order("config/examples/mixed.yaml", "chat-large") == [
+        ("openai/gpt-4.1", "chat-large"),
+        ("local/meta-llama/Llama-3.1-8B-Instruct", "chat-large"),
+        ("anthropic/claude-sonnet-4-5", "claude"),
+        ("openai/gpt-4.1-mini", "chat-fast"),
+        ("anthropic/claude-haiku-4-5", "chat-fast"),
+    ]
+    assert order("config/examples/local-vllm.yaml", "llama-8b") == [
+        ("gpu0/meta-llama/Llama-3.1-8B-Instruct", "llama-8b"),
+        ("gpu1/meta-llama/Llama-3.1-8B-Instruct", "llama-8b"),
+        ("openai/gpt-4.1-mini", "hosted"),
+    ]
+
+
+DEDUP = """
+providers:
+  oa: {type: openai, base_url: "https://api.example.com/v1", api_key: "${OPENAI_API_KEY}"}
+  an: {type: anthropic, base_url: "https://api.anthropic.example", api_key: "${ANTHROPIC_API_KEY}"}
+models:
+  - name: a
+    deployments: [{provider: oa, model: m1, weight: 3}, {provider: an, model: m2}]
+    fallbacks: [b, c]
+    budget: {ttft_ms: 700, total_ms: 9000}
+    on_ttft_miss: hedge
+    hedge_max_fraction: 0.2
+  - name: b
+    deployments: [{provider: an, model: m2}, {provider: oa, model: m3, prior: {ttft_ms: 400}}]
+    fallbacks: [d]
+  - name: c
+    deployments: [{provider: oa, model: m1}, {provider: oa, model: m4}]
+  - name: d
+    deployments: [{provider: an, model: m5}]
+    priority: bulk
+"""
+
+
+def test_duplicates_are_dropped_and_endpoints_follow_the_router(tmp_path: Path) -> None:
+    """Transitive fallbacks, breadth first; a deployment already listed is not listed again;
+    each candidate's endpoints are those the router would send it, and for every endpoint the
+    list is exactly the router's own (`candidates`), up to its weighted draw within a model."""
+    path = write(tmp_path, DEDUP)
+    explained = report(path)["models"]["a"]
+    assert explained["chain"] == ["a", "b", "c", "d"]
+    rows = explained["candidates"]
+    assert [(c["deployment"], c["model"]) for c in rows] == [
+        ("oa/m1", "a"),
+        ("an/m2", "a"),
+        ("oa/m3", "b"),
+        ("oa/m4", "c"),
+        ("an/m5", "d"),
+    ]
+    assert [c["lead_share"] for c in rows] == [0.75, 0.25, 1.0, 1.0, 1.0]
+    assert rows[2]["prior"] == {"ttft_ms": 400.0, "tpot_ms": None}
+    anthropic = ["chat", "messages"]
+    assert [c["endpoints"] for c in rows if c["deployment"].startswith("an/")] == [anthropic] * 2
+    assert explained["unserved_endpoints"] == []
+
+    settings = load_settings(path, environ=SECRETS)
+    spec = settings.model("a")
+    assert spec is not None
+    chain = fallback_chain(spec, settings)
+    providers = stand_ins(settings)
+    for endpoint in ("chat", "messages", "completions", "embeddings"):
+        call = Call(endpoint=endpoint, model="a", body={}, raw=b"", stream=False)
+        for seed in range(20):
+            routed = candidates(chain, providers, call, random.Random(seed))
+            listed = [c for c in rows if endpoint in c["endpoints"]]
+            # the same set, in the same model groups, in the same group order
+            assert sorted(c.id for c in routed) == sorted(c["deployment"] for c in listed)
+            assert [c.model for c in routed] == [c["model"] for c in listed]
+
+
+def stand_ins(settings: Settings) -> dict[str, Provider]:
+    """Providers as `serve` builds them (their HTTP pools never connect)."""
+
+    async def build() -> dict[str, Provider]:
+        async with AsyncExitStack() as stack:
+            return await open_providers(settings, stack)
+
+    return asyncio.run(build())
+
+
+def test_budgets_policies_and_settings_are_shown(tmp_path: Path) -> None:
+    """The text report names budgets, TTFT-miss policy, hedge cap, priority, batching, priors,
+    the routing guards and the latency store."""
+    code, out, err = run("--config", str(write(tmp_path, DEDUP)), "--explain")
+    assert code == 0, err
+    lines = out.splitlines()
+    a = next(line for line in lines if line.split()[:1] == ["a"] and "700 ms" in line)
+    assert "700 ms / 9000 ms" in a
+    assert a.split()[7:] == ["hedge", "0.2", "-", "b", "->", "c", "->", "d"]
+    assert any(line.split()[:2] == ["d", "bulk"] for line in lines)
+    assert "3 (75%)" in out
+    assert "ttft 400 ms" in out
+    assert out.count("none for completions, embeddings") == 1  # d only: on Anthropic alone
+    positions = [out.index(d) for d in ("oa/m1", "an/m2", "oa/m3", "oa/m4", "an/m5")]
+    assert positions == sorted(positions)
+    assert "cooldown after 3 failures in a row, 5 s doubling to 60 s" in out
+    assert "retry budget 20% of active requests (at least 3)" in out
+    assert "latency store: memory; window 60 s in 5 s slices, trusted from 20 samples" in out
+    assert out.rstrip().endswith("OK")
+
+    code, out, err = run("--config", "config/examples/openai.yaml", "--explain")
+    assert code == 0, err
+    assert "size 64, wait 20 ms, inflight 4, queue 4096" in out
+    assert "2000 ms / 60000 ms" in out
+
+
+def test_anthropic_only_models_say_what_they_cannot_serve() -> None:
+    """Anthropic has no completions or embeddings: an alias served only there says so."""
+    explained = report("config/examples/anthropic.yaml")["models"]["claude-fast"]
+    assert explained["unserved_endpoints"] == ["completions", "embeddings"]
+    assert explained["budget"] == {"ttft_ms": 1000, "total_ms": 60000}
+    assert explained["candidates"][0]["prior"] == {"ttft_ms": 900.0, "tpot_ms": 15.0}
+    code, out, _ = run("--config", "config/examples/anthropic.yaml", "--explain")
+    assert code == 0
+    assert "none for completions, embeddings" in out
+
+
+# --- secrets ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("mode", [[], ["--explain"], ["--json"]], ids=["plain", "explain", "json"])
+def test_no_secret_is_ever_printed(config: Path, mode: list[str]) -> None:
+    """Keys show as set / not set, the Redis URL's password is masked; no value leaks."""
+    code, out, err = run("--config", str(config), *mode)
+    assert code == 0, err
+    for secret in secret_values():
+        assert secret not in out + err
+    if mode and "api_key: ${OPENAI_API_KEY}" in config.read_text():
+        assert '"api_key": "set"' in out if mode == ["--json"] else " set " in out
+
+
+@pytest.mark.parametrize(
+    ("url", "shown", "topology"),
+    [
+        (
+            "redis://user:redis-SECRET-000@10.0.0.5:6379/0",
+            "redis://user:***@10.0.0.5:6379/0",
+            {"topology": "standalone", "nodes": [], "service": None},
+        ),
+        (
+            "redis+sentinel://:redis-SECRET-000@s1,s2:26380/mymaster/2"
+            "?sentinel_password=redis-SECRET-000",
+            "redis+sentinel://***@s1,s2:26380/mymaster/2?sentinel_password=***",
+            {"topology": "sentinel", "nodes": ["s1:26379", "s2:26380"], "service": "mymaster"},
+        ),
+        (
+            "redis+cluster://:redis-SECRET-000@c1:7000,c2:7001",
+            "redis+cluster://***@c1:7000,c2:7001",
+            {"topology": "cluster", "nodes": ["c1:7000", "c2:7001"], "service": None},
+        ),
+        (
+            "rediss://:redis-SECRET-000@h:6380/0?password=redis-SECRET-000&ssl_cert_reqs=none",
+            "rediss://***@h:6380/0?password=***&ssl_cert_reqs=none",
+            {"topology": "standalone", "nodes": [], "service": None},
+        ),
+    ],
+    ids=["standalone", "sentinel", "cluster", "query-password"],
+)
+def test_redis_url_is_shown_masked_with_its_topology(
+    url: str, shown: str, topology: dict[str, Any]
+) -> None:
+    explained = report("config/examples/mixed.yaml", env={"REDIS_URL": url})["latency"]
+    assert explained["redis"] == {"url": shown, **topology}
+    assert (explained["store"], explained["window_s"], explained["slice_s"]) == ("redis", 60, 5)
+    code, out, _ = run(
+        "--config", "config/examples/mixed.yaml", "--explain", env={"REDIS_URL": url}
+    )
+    assert code == 0
+    assert shown in out
+    assert "redis-SECRET-000" not in out
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("redis+cluster://:redis-SECRET-000@c1:7000/3", "database 0 only"),
+        ("redis+sentinel://:redis-SECRET-000@s1:26379", "name the master"),
+        ("memcached://:redis-SECRET-000@h:11211", "unsupported scheme"),
+    ],
+)
+def test_an_unusable_redis_url_fails_the_check(url: str, reason: str) -> None:
+    """The gateway could not start with it: exit 2, the reason, never the password."""
+    for mode in ([], ["--explain"], ["--json"]):
+        code, out, err = run(
+            "--config", "config/examples/mixed.yaml", *mode, env={"REDIS_URL": url}
+        )
+        assert code == 2
+        assert "latency.redis_url" in err and reason in err
+        assert "redis-SECRET-000" not in out + err
+
+
+def test_provider_credentials_and_header_values_stay_hidden(tmp_path: Path) -> None:
+    """User info in a base URL is masked (also with an unencoded '/' in the password), extra
+    header values are never shown (only their names), keys show as set / not set."""
+    path = write(
+        tmp_path,
+        """
+providers:
+  up: {type: vllm, base_url: "https://me:base/SECRET@llm.example.com/v1",
+       headers: {x-org: "org-SECRET-1"}}
+  open: {type: openai, base_url: "https://tok-SECRET-2@api.example.com/v1"}
+models:
+  - name: m
+    deployments: [{provider: up, model: x}, {provider: open, model: y}]
+""",
+    )
+    explained = report(path)["providers"]
+    assert explained["up"]["base_url"] == "https://me:***@llm.example.com/v1"
+    assert explained["open"]["base_url"] == "https://***@api.example.com/v1"
+    assert (explained["up"]["headers"], explained["up"]["api_key"]) == (["x-org"], "not set")
+    for mode in ([], ["--explain"], ["--json"]):
+        code, out, err = run("--config", str(path), *mode)
+        assert code == 0, err
+        for secret in ("SECRET",):
+            assert secret not in out + err
+
+
+# --- the installed command ----------------------------------------------------------------------
+
+
+def test_the_installed_command_explains() -> None:
+    """`tailguard check-config --explain` as a user runs it."""
+    script = Path(sys.executable).with_name("tailguard")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
+    result = subprocess.run(
+        [*command, "check-config", "--explain", "--config", "config/gateway.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "chat-large (fallback)" not in result.stdout
+    assert "chat-fast (fallback)" in result.stdout
+    assert "800 ms / 20000 ms" in result.stdout
