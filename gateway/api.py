@@ -276,11 +276,35 @@ def _refused(scope: Scope, endpoint: Endpoint, status: int, error_type: str) -> 
         overhead_s=None,
         error_type=error_type,
     )
+    trace_id = None
+    if services.tracing.enabled:
+        traceparent = None
+        for name, value in scope["headers"]:
+            if name == b"traceparent" and _TRACEPARENT.match(value.decode("latin-1")):
+                traceparent = value.decode("latin-1")
+        attributes: dict[str, Any] = {
+            sc.HTTP_REQUEST_METHOD: "POST",
+            sc.HTTP_ROUTE: scope["path"],
+            sc.GEN_AI_OPERATION_NAME: sc.OPERATIONS[endpoint],
+            sc.TG_REQUEST_ID: scope["tailguard.request_id"],
+        }
+        if model:
+            attributes[sc.GEN_AI_REQUEST_MODEL] = model
+        trace = services.tracing.request(
+            f"POST {scope['path']}",
+            traceparent=traceparent,
+            arrived=scope["tailguard.t0"],
+            attributes=attributes,
+        )
+        if trace is not None:
+            trace_id = trace.trace_id
+            trace.end(status=status, attributes={}, error_type=error_type)
     if services.access.enabled:
         services.access.write(
             {
                 "time": round(time.time(), 3),
                 "request_id": scope["tailguard.request_id"],
+                "trace_id": trace_id,
                 "path": scope["path"],
                 "model": model,
                 "status": status,

@@ -18,11 +18,11 @@ class AccessLog:
     """Writes when the `tailguard.access` logger is enabled for INFO (see `server.access_log`)."""
 
     def __init__(self, enabled: bool = True) -> None:
-        _log.disabled = not enabled
+        self._on = enabled
 
     @property
     def enabled(self) -> bool:
-        return not _log.disabled and _log.isEnabledFor(logging.INFO)
+        return self._on and _log.isEnabledFor(logging.INFO)
 
     def write(self, fields: dict[str, Any]) -> None:
         _log.info(orjson.dumps(fields).decode())

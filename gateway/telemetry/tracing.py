@@ -35,8 +35,22 @@ _MAX_CONTENT = 8192  # characters of a captured prompt
 class _CountingProcessor(BatchSpanProcessor):
     """A batch processor that counts the spans it had to drop because its queue was full."""
 
-    def __init__(self, exporter: SpanExporter, max_queue_size: int) -> None:
-        super().__init__(exporter, max_queue_size=max_queue_size)
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        *,
+        max_queue_size: int,
+        schedule_delay_millis: float,
+        max_export_batch_size: int,
+        export_timeout_millis: float,
+    ) -> None:
+        super().__init__(
+            exporter,
+            max_queue_size=max_queue_size,
+            schedule_delay_millis=schedule_delay_millis,
+            max_export_batch_size=max_export_batch_size,
+            export_timeout_millis=export_timeout_millis,
+        )
         self.max_queue_size = max_queue_size
         self.dropped = 0
 
@@ -202,8 +216,17 @@ def tracing_from_env(environ: Mapping[str, str]) -> Tracing:
     exporter = _exporter(environ, exporter_name)
     resource = _resource(environ)
     provider = TracerProvider(resource=resource, sampler=_sampler(environ))
-    queue = int(environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048") or 2048)
-    processor = _CountingProcessor(exporter, max_queue_size=max(1, queue))
+    queue = max(1, int(_number(environ.get("OTEL_BSP_MAX_QUEUE_SIZE"), 2048)))
+    processor = _CountingProcessor(
+        exporter,
+        max_queue_size=queue,
+        schedule_delay_millis=max(1.0, _number(environ.get("OTEL_BSP_SCHEDULE_DELAY"), 5000)),
+        # The SDK refuses a batch larger than the queue.
+        max_export_batch_size=min(
+            queue, max(1, int(_number(environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE"), 512)))
+        ),
+        export_timeout_millis=_number(environ.get("OTEL_BSP_EXPORT_TIMEOUT"), 30_000),
+    )
     provider.add_span_processor(processor)
     # The batch processor logs one warning per dropped span; drops are counted in /metrics.
     logging.getLogger("opentelemetry.sdk._shared_internal").setLevel(logging.ERROR)
@@ -225,13 +248,15 @@ def _exporter(environ: Mapping[str, str], name: str) -> SpanExporter:
         or environ.get("OTEL_EXPORTER_OTLP_HEADERS")
         or ""
     )
-    timeout = float(
-        environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
-        or environ.get("OTEL_EXPORTER_OTLP_TIMEOUT")
-        or 10
+    # Milliseconds, as the specification says.
+    timeout = (
+        _number(
+            environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
+            or environ.get("OTEL_EXPORTER_OTLP_TIMEOUT"),
+            10_000,
+        )
+        / 1000
     )
-    if timeout > 1000:  # the spec says milliseconds; older SDKs read seconds
-        timeout /= 1000
     signal_endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if protocol == "grpc":
@@ -298,6 +323,14 @@ def _sampler(environ: Mapping[str, str]) -> samplers.Sampler:
     if name not in choices:
         raise ValueError(f"OTEL_TRACES_SAMPLER: {name!r} is not one of {', '.join(choices)}")
     return choices[name]
+
+
+def _number(value: str | None, default: float) -> float:
+    try:
+        return float(value) if value else default
+    except ValueError:
+        logger.warning("ignoring a malformed OTEL_* number: %r", value[:40] if value else value)
+        return default
 
 
 def _truthy(value: str | None) -> bool:

@@ -1,0 +1,297 @@
+"""The dashboard (`GET /dashboard`) in a real headless Chromium, against a real gateway and a real
+simulated upstream: it lists the configured models before any traffic, follows live traffic, loads
+nothing from any other origin, logs no console errors, and keeps working across a gateway restart.
+
+Uses the Debian `chromium` binary (`.ci/run` installs it), never a browser Playwright downloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import uvicorn
+from playwright.async_api import (
+    Browser,
+    ConsoleMessage,
+    Error,
+    Page,
+    Request,
+    async_playwright,
+    expect,
+)
+
+from gateway.api import create_app
+from gateway.config import Settings
+from tests.conftest import Upstream, gateway_settings, run_gateway
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+pytestmark = pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK),
+    reason=f"{CHROMIUM} is missing or not executable: install the Debian `chromium` package "
+    "(`apt-get install -y chromium`; .ci/run does this before the suite)",
+)
+
+# Long enough for a poll (every 2 s) to land after the snapshot refresh (every 1 s) that follows
+# the traffic, short enough to keep a failure quick.
+WAIT_MS = 8_000
+# A deployment whose upstream model name is markup: it must show up as text, never as elements.
+HOSTILE = '<img src=x onerror="document.title=1">'
+
+
+def two_models(upstream: Upstream) -> Settings:
+    """`chat` (with a budget, hedging on a TTFT miss, falling back to `backup`) and `backup`."""
+    return gateway_settings(
+        {"up": {"type": "vllm", "base_url": upstream.base_url}},
+        [
+            {
+                "name": "chat",
+                "deployments": [{"provider": "up", "model": "fast@prefill_base_ms=3"}],
+                "budget": {"ttft_ms": 750, "total_ms": 4000},
+                "fallbacks": ["backup"],
+                "on_ttft_miss": "hedge",
+            },
+            {
+                "name": "backup",
+                "deployments": [
+                    {"provider": "up", "model": "slow"},
+                    {"provider": "up", "model": HOSTILE},
+                ],
+            },
+        ],
+    )
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, model: str, n: int) -> None:
+    """`n` streamed chat requests, one after another, each read to its `[DONE]`."""
+    body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+    for _ in range(n):
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            text = "".join([chunk async for chunk in response.aiter_text()])
+        assert text.rstrip().endswith("data: [DONE]")
+
+
+@asynccontextmanager
+async def chromium() -> AsyncIterator[Browser]:
+    async with async_playwright() as playwright:
+        # Playwright passes --no-sandbox itself (chromium_sandbox defaults to False), which
+        # Chromium needs when it runs as root, as it does in CI containers.
+        browser = await playwright.chromium.launch(executable_path=str(CHROMIUM))
+        try:
+            yield browser
+        finally:
+            await browser.close()
+
+
+class Watched:
+    """Every request the page makes and every console error it logs."""
+
+    def __init__(self, page: Page) -> None:
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        page.on("request", self._request)
+        page.on("console", self._console)
+        page.on("pageerror", self._page_error)
+
+    def _request(self, request: Request) -> None:
+        self.requests.append(request.url)
+
+    def _console(self, message: ConsoleMessage) -> None:
+        if message.type == "error":
+            self.errors.append(message.text)
+
+    def _page_error(self, error: Error) -> None:
+        self.errors.append(f"uncaught: {error}")
+
+    def foreign(self, origin: str) -> list[str]:
+        """Requests to anywhere but `origin` (data: URLs are no request to anyone)."""
+        return [
+            url
+            for url in self.requests
+            if urlsplit(url).scheme != "data" and not url.startswith(origin + "/")
+        ]
+
+
+RPS = '[data-model="{model}"] [data-field="rps"]'
+DEPLOYMENT_REQUESTS = '[data-deployment="{id}"] [data-field="requests"]'
+# The raw figure behind a formatted one is in its `data-value`.
+ABOVE_ZERO = """
+    (selector) => {
+        const node = document.querySelector(selector);
+        return node !== null && Number(node.dataset.value || "0") > 0;
+    }
+"""
+
+
+def save_screenshot(png: bytes, base: Path) -> list[Path]:
+    """Write the screenshot under pytest's base temp dir and, if set, `$TAILGUARD_ARTIFACTS`."""
+    targets = [base / "dashboard.png"]
+    artifacts = os.environ.get("TAILGUARD_ARTIFACTS")
+    if artifacts:
+        targets.append(Path(artifacts) / "dashboard.png")
+    for path in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(png)
+        print(f"dashboard screenshot: {path}")
+    return targets
+
+
+async def test_dashboard_shows_models_and_follows_live_traffic(
+    upstream: Upstream, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Both models with their budgets before any traffic; then live traffic moves the model's
+    requests per second above zero and the deployment's request count; no foreign request, no
+    console error; a full-page screenshot is kept."""
+    async with (
+        run_gateway(two_models(upstream)) as gw,
+        httpx.AsyncClient(timeout=10) as client,
+        chromium() as browser,
+    ):
+        page = await browser.new_page(viewport={"width": 1280, "height": 900})
+        watched = Watched(page)
+        response = await page.goto(gw.url + "/dashboard")
+        assert response is not None and response.ok
+
+        # Both configured models, before any traffic, with their budgets and fallbacks.
+        chat = page.locator('[data-model="chat"]')
+        backup = page.locator('[data-model="backup"]')
+        await expect(chat.locator("h3")).to_have_text("chat")
+        await expect(backup.locator("h3")).to_have_text("backup")
+        await expect(chat.locator('[data-field="budget-ttft"]')).to_have_text("≤ 750 ms")
+        await expect(chat.locator('[data-field="budget-total"]')).to_have_text("≤ 4,000 ms")
+        await expect(chat.locator('[data-field="fallbacks"]')).to_have_text("backup")
+        await expect(chat.locator('[data-field="on-ttft-miss"]')).to_have_text("hedge")
+        await expect(backup.locator('[data-field="budget-ttft"]')).to_have_text("none")
+        await expect(page.locator('[data-field="connection"]')).to_have_text("Live")
+        await expect(page.locator('[data-field="store-type"]')).to_have_text("memory")
+        await expect(page.locator('[data-field="store-state"]')).to_have_text("ok")
+        await expect(page.locator('[data-field="window"]')).to_have_text("last 60 s")
+
+        # Every configured deployment has a row from the start; markup in a name stays text.
+        deployment = "up/fast@prefill_base_ms=3"
+        ids = await page.eval_on_selector_all(
+            "tr[data-deployment]", "(rows) => rows.map((row) => row.dataset.deployment)"
+        )
+        assert ids == [deployment, "up/slow", f"up/{HOSTILE}"]
+        hostile_row = page.locator("tr[data-deployment]").nth(2)
+        await expect(hostile_row.locator("th")).to_have_text(f"up/{HOSTILE}")
+        assert await page.locator("img").count() == 0
+        assert await page.title() == "Tailguard dashboard"
+
+        # Live traffic: the rate and the deployment's window count follow.
+        await stream_chat(client, gw.url, "chat", 12)
+        await page.wait_for_function(ABOVE_ZERO, arg=RPS.format(model="chat"), timeout=WAIT_MS)
+        await page.wait_for_function(
+            ABOVE_ZERO, arg=DEPLOYMENT_REQUESTS.format(id=deployment), timeout=WAIT_MS
+        )
+        row = page.locator(f'[data-deployment="{deployment}"]')
+        await expect(row.locator('[data-field="requests"]')).to_have_text("12", timeout=WAIT_MS)
+        await expect(row.locator('[data-field="errors"]')).to_have_text("0")
+        await expect(row.locator('[data-field="ttft-p50"]')).to_contain_text("ms")
+        await expect(row.locator('[data-field="state"]')).to_have_text("available")
+        await expect(chat.locator('[data-field="ttft-now"]')).to_contain_text("p99")
+        assert await chat.locator("svg.chart path.s-p99").count() >= 1
+        assert await chat.locator("svg.chart line.budget").count() == 2  # TTFT and total
+
+        png = await page.screenshot(full_page=True)
+        save_screenshot(png, tmp_path_factory.getbasetemp())
+
+        assert watched.foreign(gw.url) == []
+        assert any(url == gw.url + "/admin/latency" for url in watched.requests)
+        assert watched.errors == []
+
+
+# --- a gateway restart ---------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def gateway_on_port(settings: Settings, port: int) -> AsyncIterator[str]:
+    """A gateway on a given loopback port (tests/conftest.py's `serve` always picks a new one),
+    so that a restart comes back at the origin the page was loaded from."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    config = uvicorn.Config(
+        create_app(settings), log_level="warning", lifespan="on", http="httptools"
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("the gateway stopped during start-up")
+            await asyncio.sleep(0.005)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+# Records every requests-per-second figure the page shows from now on, in `window.rpsShown`.
+RECORD_RPS = """
+    (selector) => {
+        const node = document.querySelector(selector);
+        window.rpsShown = [];
+        new MutationObserver(() => window.rpsShown.push(node.dataset.value)).observe(
+            node, { attributes: true, attributeFilter: ["data-value"] });
+    }
+"""
+
+
+async def test_dashboard_survives_a_gateway_restart(upstream: Upstream) -> None:
+    """Down: the page says so and keeps the last data; back (with every counter reset): it
+    resumes, and its rates come back without a bogus negative or huge figure."""
+    settings = two_models(upstream)
+    deployment = "up/fast@prefill_base_ms=3"
+    rps = RPS.format(model="chat")
+    async with httpx.AsyncClient(timeout=10) as client, chromium() as browser:
+        page = await browser.new_page()
+        watched = Watched(page)
+        connection = page.locator('[data-field="connection"]')
+        requests = page.locator(f'[data-deployment="{deployment}"] [data-field="requests"]')
+
+        async with gateway_on_port(settings, 0) as url:
+            port = urlsplit(url).port
+            assert port is not None
+            await page.goto(url + "/dashboard")
+            await expect(connection).to_have_text("Live")
+            await stream_chat(client, url, "chat", 5)
+            await expect(requests).to_have_text("5", timeout=WAIT_MS)
+
+        await expect(connection).to_have_text("Gateway unreachable", timeout=WAIT_MS)
+        await expect(page.locator('[data-field="last-update"]')).to_contain_text(
+            "showing data from"
+        )
+        await expect(requests).to_have_text("5")  # the last data stays up, marked stale
+
+        await page.evaluate(RECORD_RPS, rps)
+        async with gateway_on_port(settings, port) as again:
+            assert again == url
+            await expect(connection).to_have_text("Live", timeout=WAIT_MS)
+            await expect(requests).to_have_text("0")  # the new process's empty window
+            await stream_chat(client, url, "chat", 3)
+            await page.wait_for_function(ABOVE_ZERO, arg=rps, timeout=WAIT_MS)
+            await expect(requests).to_have_text("3", timeout=WAIT_MS)
+
+        # The counters went back to zero: that interval shows no figure, never a negative or a
+        # huge one.
+        shown = await page.evaluate("window.rpsShown")
+        assert "" in shown
+        assert all(value == "" or 0 <= float(value) < 1000 for value in shown), shown
+
+    assert watched.foreign(url) == []
+    # While the gateway was down the browser itself logs the failed fetches (refused, or reset by
+    # the shutdown); nothing else.
+    failed_fetch = "Failed to load resource: net::ERR_"
+    assert [e for e in watched.errors if not e.startswith(failed_fetch)] == []
