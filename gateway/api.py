@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import semconv as sc
+from gateway.batching import BATCHED_ENDPOINTS
 from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
 from gateway.errors import (
     BodyTooLargeError,
@@ -193,6 +194,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 TTFT_BUDGET_HEADER = "x-tailguard-ttft-budget-ms"
 TOTAL_BUDGET_HEADER = "x-tailguard-total-budget-ms"
+PRIORITY_HEADER = "x-tailguard-priority"
 _MAX_BUDGET_MS = 3_600_000
 
 
@@ -204,6 +206,7 @@ class RequestHeaders:
     ttft_budget_ms: int | None = None
     total_budget_ms: int | None = None
     client_retry: bool = False  # the client SDK says this is its own retry: do not hedge it
+    priority: str | None = None  # x-tailguard-priority: interactive | bulk
 
 
 def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
@@ -223,6 +226,16 @@ def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
             found.total_budget_ms = _budget(TOTAL_BUDGET_HEADER, value)
         elif name == b"x-stainless-retry-count":
             found.client_retry = value.strip() not in (b"", b"0")
+        elif name == b"x-tailguard-priority":
+            priority = value.decode("latin-1").strip().lower()
+            if priority not in ("interactive", "bulk"):
+                raise InvalidRequestError(
+                    f"Invalid '{PRIORITY_HEADER}': expected 'interactive' or 'bulk', got "
+                    f"{priority[:40]!r}.",
+                    param=PRIORITY_HEADER,
+                    code="invalid_header",
+                )
+            found.priority = priority
     return found
 
 
@@ -363,6 +376,11 @@ async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
     )
     snapshot = services.latency.snapshot
     found = candidates(services.chains[spec.name], services.providers, call, services.rng, snapshot)
+    call.priority = headers.priority or spec.priority
+    if call.priority == "bulk" and not call.stream and call.endpoint in BATCHED_ENDPOINTS:
+        # Bulk embeddings and completions go through their deployment's micro-batch queue.
+        batchers = services.batchers
+        found = [replace(c, provider=batchers[c.id]) if c.id in batchers else c for c in found]
     chosen = plan(found, call, budget, cooling=services.guards.cooldowns.cooling())
     policy = Policy(
         model=spec.name,
@@ -405,6 +423,12 @@ class Proxy:
         self._opened: Opened | None = None
         self._overhead_s: float | None = None
         self._trace: RequestTrace | None = None
+        # Bulk chat waits for a slot on its first candidate (see gateway/batching/gate.py).
+        self._gate_lane: str | None = None
+        if call.priority == "bulk" and (call.stream or call.endpoint in ("chat", "messages")):
+            self._gate_lane = plan.candidates[0].id
+        self._gated = False
+        self._queue_s: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -433,6 +457,8 @@ class Proxy:
             self._status, self._error_type = 500, "internal"
             await self._fail(send)
         finally:
+            if self._gated and self._gate_lane is not None and services.gate is not None:
+                services.gate.release(self._gate_lane)
             retries.active -= 1
             watcher.cancel()
             self._finish()
@@ -571,6 +597,12 @@ class Proxy:
         try:
             try:
                 async with asyncio.timeout(remaining):
+                    if self._gate_lane is not None:
+                        queued = time.perf_counter()
+                        assert services.gate is not None
+                        await services.gate.acquire(self._gate_lane)
+                        self._gated = True
+                        self._queue_s = time.perf_counter() - queued
                     opened = await open_first(
                         call,
                         self._plan,
@@ -596,6 +628,16 @@ class Proxy:
             return
         self._opened = opened
         self._status, self._error_type = 200, None
+        first = opened.tally.first_token_at
+        if (
+            call.priority == "interactive"
+            and call.stream
+            and first is not None
+            and self._policy.ttft_s
+            and services.gate is not None
+        ):
+            # Bulk admission on this deployment follows how interactive first tokens fare.
+            services.gate.observe(opened.candidate.id, first - self._t0, self._policy.ttft_s)
         try:
             if call.stream:
                 await self._relay(opened, send)
@@ -615,6 +657,8 @@ class Proxy:
         overhead_ms = route_ms + (now - committed) * 1000
         self._overhead_s = overhead_ms / 1000
         timing = [f"route;dur={route_ms:.2f}"]
+        if self._queue_s is not None:
+            timing.insert(0, f"queue;dur={self._queue_s * 1000:.1f}")
         for index, attempt in enumerate(opened.attempts):
             ended = attempt.ended or committed
             timing.append(

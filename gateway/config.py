@@ -80,6 +80,9 @@ class ProviderSpec(_Spec):
     max_connections: Annotated[int, Field(ge=1)] = 1_000
     max_keepalive_connections: Annotated[int, Field(ge=0)] = 100
     anthropic_version: str = "2023-06-01"
+    # vllm only: the server runs `--scheduling-policy priority`; bulk requests are sent with
+    # this `priority` (vLLM serves lower values first; interactive ones keep the default 0).
+    bulk_priority: int | None = None
     # simulated providers only
     profiles: dict[str, SimProfile] = Field(default_factory=dict)
     default_profile: SimProfile | None = None
@@ -87,12 +90,15 @@ class ProviderSpec(_Spec):
 
     @model_validator(mode="after")
     def _check_kind(self) -> ProviderSpec:
+        if self.bulk_priority is not None and self.type != "vllm":
+            raise ValueError("bulk_priority is for providers of type vllm")
         if self.type == "simulated":
             if self.base_url is not None:
                 raise ValueError("a simulated provider runs in-process and takes no base_url")
             return self
         if self.base_url is None:
             raise ValueError(f"base_url is required for a provider of type {self.type!r}")
+
         parts = urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("base_url must be an http:// or https:// URL with a host")
@@ -181,9 +187,30 @@ class RetryBudgetSpec(_Spec):
     min_concurrent: Annotated[int, Field(ge=0)] = 3
 
 
+class BulkSpec(_Spec):
+    """Admission of bulk chat requests per deployment (see gateway/batching/gate.py)."""
+
+    initial_concurrency: Annotated[int, Field(ge=1)] = 4
+    min_concurrency: Annotated[int, Field(ge=1)] = 1
+    max_concurrency: Annotated[int, Field(ge=1)] = 64
+    backoff_at: Annotated[float, Field(gt=0, le=1)] = 0.8  # interactive TTFT / budget: halve
+    grow_below: Annotated[float, Field(gt=0, le=1)] = 0.5  # ... below this: grow by one
+    cooldown_s: Annotated[float, Field(ge=0)] = 0.5  # at most one halving per this long
+    max_queue: Annotated[int, Field(ge=0)] = 4096  # bulk requests waiting; beyond: 503
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BulkSpec:
+        if not self.min_concurrency <= self.initial_concurrency <= self.max_concurrency:
+            raise ValueError("need min_concurrency <= initial_concurrency <= max_concurrency")
+        if self.grow_below > self.backoff_at:
+            raise ValueError("grow_below exceeds backoff_at")
+        return self
+
+
 class RoutingSpec(_Spec):
     cooldown: CooldownSpec = CooldownSpec()
     retry_budget: RetryBudgetSpec = RetryBudgetSpec()
+    bulk: BulkSpec = BulkSpec()
 
 
 class KeySpec(_Spec):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.batching import BatchingProvider, BulkGate
 from gateway.config import ConfigError, ModelSpec, Settings, load_settings
 from gateway.latency import (
     FanOutRecorder,
@@ -36,6 +37,8 @@ from gateway.providers.base import Provider
 from gateway.routing import Guards, fallback_chain
 from gateway.telemetry import (
     AccessLog,
+    BatchingCollector,
+    BatchingState,
     GuardsCollector,
     LatencyStoreCollector,
     Meters,
@@ -65,6 +68,8 @@ class Services:
     rng: random.Random
     started_at: float
     metrics: Registry  # what GET /metrics exposes
+    batchers: dict[str, BatchingProvider] = field(default_factory=dict)  # by deployment id
+    gate: BulkGate | None = None  # admission of bulk chat requests
     active: int = 0  # requests admitted under these services and not yet finished
     retired: bool = False  # a reload replaced these services
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # retired and no request left
@@ -122,6 +127,7 @@ class Runtime:
                     lambda: self.services.guards.retries.denied,
                     lambda: self.tracing.dropped,
                 ),
+                BatchingCollector(self._batching_state),
             )
             self.meters = Meters(self.registry, {})
             self.services = await self._build(settings, guards=None)
@@ -149,6 +155,16 @@ class Runtime:
         recorders: list[Recorder] = [self.latency, self.meters]
         if self._extra_recorder is not None:
             recorders.append(self._extra_recorder)
+        batchers: dict[str, BatchingProvider] = {}
+        for model in settings.models:
+            if model.batching is None:
+                continue
+            for d in model.deployments:
+                provider = providers[d.provider]
+                if d.id not in batchers and provider.wire == "openai":
+                    batchers[d.id] = BatchingProvider(
+                        provider, d.id, model.batching, observer=self.meters.batch
+                    )
         return Services(
             settings=settings,
             models={m.name: m for m in settings.models},
@@ -163,6 +179,8 @@ class Runtime:
             rng=random.Random(),
             started_at=time.time(),
             metrics=self.registry,
+            batchers=batchers,
+            gate=BulkGate(settings.routing.bulk),
             _pools=pools,
         )
 
@@ -231,6 +249,17 @@ class Runtime:
                 self._watch_file(_digest(self.config_path)), name="config-watch"
             )
             stack.push_async_callback(_cancel, watcher)
+
+    def _batching_state(self) -> BatchingState:
+        services = self.services
+        gate = services.gate
+        return BatchingState(
+            waiting={d: b.waiting for d, b in services.batchers.items()},
+            rejected={d: b.rejected for d, b in services.batchers.items()},
+            bulk_limits=gate.limits() if gate is not None else {},
+            bulk_waiting=gate.waiting() if gate is not None else {},
+            bulk_rejected=gate.rejected if gate is not None else 0,
+        )
 
     def health(self) -> dict[str, Any]:
         """The config part of `/readyz`."""

@@ -33,7 +33,8 @@ FORBIDDEN = {
     "gateway.telemetry": ("gateway.api", "gateway.routing", "gateway.providers"),
     "gateway.sim": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.config"),
     "gateway.providers": ("gateway.api", "gateway.routing"),
-    "gateway.routing": ("gateway.api",),
+    "gateway.routing": ("gateway.api", "gateway.batching"),
+    "gateway.batching": ("gateway.api", "gateway.routing", "gateway.runtime"),
 }
 
 

@@ -37,6 +37,7 @@ class StubProvider:
     system: str = "stub"
     address: str | None = None
     secrets: tuple[str, ...] = ()
+    bulk_priority: int | None = None
     endpoints: frozenset[Endpoint] = field(default_factory=lambda: frozenset({"chat"}))
 
     def supports(self, endpoint: Endpoint) -> bool:

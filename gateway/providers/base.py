@@ -62,6 +62,7 @@ class Provider(Protocol):
     system: str  # gen_ai.provider.name
     address: str | None  # server.address (None for in-process)
     secrets: tuple[str, ...]
+    bulk_priority: int | None  # vLLM request `priority` for bulk requests, if configured
 
     def supports(self, endpoint: Endpoint) -> bool: ...
 

@@ -111,6 +111,7 @@ class HTTPProvider:
         self.wire: Wire = "anthropic" if spec.type == "anthropic" else "openai"
         self.system = _SYSTEMS[spec.type]
         self.address = urlsplit(spec.base_url).hostname
+        self.bulk_priority = spec.bulk_priority
         self._session = session
         base = spec.base_url.rstrip("/")
         paths = _ANTHROPIC_PATHS if self.wire == "anthropic" else _OPENAI_PATHS

@@ -65,15 +65,19 @@ def _prepare(
     call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]
 ) -> Prepared:
     stream = call.stream
+    # vLLM with priority scheduling serves bulk requests after interactive ones.
+    extra: dict[str, Any] = {}
+    if call.priority == "bulk" and provider.bulk_priority is not None:
+        extra["priority"] = provider.bulk_priority
     if call.wire == provider.wire:
         if call.wire == "openai":
             translator: StreamTranslator = OpenAIPassthrough(include_usage=call.include_usage)
             # Always ask for usage: token counts feed the latency statistics.
             want_usage = stream and call.endpoint in _STREAMED_WITH_USAGE and not call.include_usage
-            if upstream_model == call.model and not want_usage:
+            if upstream_model == call.model and not want_usage and not extra:
                 body = call.raw
             else:
-                changed: dict[str, Any] = {**call.body, "model": upstream_model}
+                changed: dict[str, Any] = {**call.body, "model": upstream_model, **extra}
                 if want_usage:
                     changed["stream_options"] = {
                         **(call.body.get("stream_options") or {}),
@@ -110,6 +114,7 @@ def _prepare(
     # Anthropic Messages to an OpenAI-compatible upstream
     translated = messages_request_to_openai(call.body)
     translated["model"] = upstream_model
+    translated.update(extra)
     request = UpstreamRequest("chat", orjson.dumps(translated), stream, headers)
 
     def to_anthropic(chunk: Chunk) -> bytes:

@@ -28,6 +28,7 @@ class SimulatedProvider:
     system = "simulated"
     address: str | None = None
     secrets: tuple[str, ...] = ()
+    bulk_priority: int | None = None
 
     def __init__(self, name: str, spec: ProviderSpec) -> None:
         self.name = name

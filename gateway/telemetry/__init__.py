@@ -6,7 +6,7 @@ request path. Each app owns its registry and tracer provider, so apps never mix 
 """
 
 from gateway.telemetry.access import AccessLog, configure_logging
-from gateway.telemetry.meters import GuardsCollector, Meters
+from gateway.telemetry.meters import BatchingCollector, BatchingState, GuardsCollector, Meters
 from gateway.telemetry.prometheus import (
     CONTENT_TYPE,
     LatencyStoreCollector,
@@ -19,6 +19,8 @@ from gateway.telemetry.tracing import RequestTrace, Tracing, tracing_from_env
 __all__ = [
     "CONTENT_TYPE",
     "AccessLog",
+    "BatchingCollector",
+    "BatchingState",
     "GuardsCollector",
     "LatencyStoreCollector",
     "Meters",

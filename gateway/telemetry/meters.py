@@ -4,10 +4,11 @@ and counters per client request, and the routing guards' counters read at scrape
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway import semconv as sc
@@ -89,6 +90,20 @@ class Meters:
             buckets=sc.DURATION_BUCKETS,
             registry=registry,
         )
+        self.batch_size = Histogram(
+            sc.BATCH_SIZE,
+            "Inputs per micro-batch sent upstream.",
+            ["deployment", "endpoint"],
+            buckets=sc.BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_wait = Histogram(
+            sc.BATCH_WAIT,
+            "How long a request waited in its micro-batch queue.",
+            ["deployment", "endpoint"],
+            buckets=sc.OVERHEAD_BUCKETS,
+            registry=registry,
+        )
         self.overhead = Histogram(
             sc.OVERHEAD,
             "Gateway time on a request outside the upstream: before the first attempt, and "
@@ -101,6 +116,13 @@ class Meters:
     def describe(self, deployments: Mapping[str, tuple[str, str]]) -> None:
         """Learn the (provider name, upstream model) of deployments (a reload may add some)."""
         self._deployments.update(deployments)
+
+    def batch(self, deployment: str, endpoint: str, inputs: int, waits: list[float]) -> None:
+        """A micro-batch left for `deployment`."""
+        self._child(self.batch_size, deployment, endpoint).observe(inputs)
+        wait = self._child(self.batch_wait, deployment, endpoint)
+        for seconds in waits:
+            wait.observe(seconds)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (metric, labels)
@@ -199,3 +221,56 @@ class GuardsCollector(Collector):
         )
         dropped.add_metric([], float(self._spans_dropped()))
         yield dropped
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingState:
+    waiting: Mapping[str, int]  # inputs queued per deployment
+    rejected: Mapping[str, int]  # requests refused because their queue was full
+    bulk_limits: Mapping[str, int]  # bulk chat concurrency limit per deployment
+    bulk_waiting: Mapping[str, int]
+    bulk_rejected: int
+
+
+class BatchingCollector(Collector):
+    """Micro-batch queues and the bulk admission gate, read at scrape time."""
+
+    def __init__(self, state: Callable[[], BatchingState]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        for name, text, values, kind in (
+            (sc.BATCH_QUEUE, "Inputs waiting in micro-batch queues.", state.waiting, "gauge"),
+            (
+                sc.BATCH_REJECTED,
+                "Requests refused because their micro-batch queue was full.",
+                state.rejected,
+                "counter",
+            ),
+            (
+                sc.BULK_LIMIT,
+                "Bulk chat requests allowed at once, as steered by interactive TTFT.",
+                state.bulk_limits,
+                "gauge",
+            ),
+            (
+                sc.BULK_WAITING,
+                "Bulk chat requests waiting for a slot.",
+                state.bulk_waiting,
+                "gauge",
+            ),
+        ):
+            family: GaugeMetricFamily | CounterMetricFamily = (
+                GaugeMetricFamily(name, text, labels=["deployment"])
+                if kind == "gauge"
+                else CounterMetricFamily(name, text, labels=["deployment"])
+            )
+            for deployment, value in sorted(values.items()):
+                family.add_metric([deployment], float(value))
+            yield family
+        rejected = CounterMetricFamily(
+            sc.BULK_REJECTED, "Bulk chat requests refused because too many were waiting."
+        )
+        rejected.add_metric([], float(state.bulk_rejected))
+        yield rejected
