@@ -49,12 +49,15 @@ from gateway.latency import (
 from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
 from gateway.routing import (
     Budget,
+    Candidate,
     Opened,
     Plan,
     Policy,
+    by_prediction,
     candidates,
     open_first,
     plan,
+    prompt_band,
 )
 from gateway.runtime import Runtime, Services
 from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -381,6 +384,8 @@ async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
         # Bulk embeddings and completions go through their deployment's micro-batch queue.
         batchers = services.batchers
         found = [replace(c, provider=batchers[c.id]) if c.id in batchers else c for c in found]
+    if services.servers:
+        found = by_prediction(found, _predictions(services, found, call))
     chosen = plan(found, call, budget, cooling=services.guards.cooldowns.cooling())
     policy = Policy(
         model=spec.name,
@@ -391,6 +396,41 @@ async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
         may_hedge=not headers.client_retry,
     )
     return Proxy(services, call, chosen, policy, budget.total_s)
+
+
+def _predictions(
+    services: Services, found: list[Candidate], call: Call
+) -> dict[str, tuple[float, float]]:
+    """Predicted TTFT (and the queue it assumes) of each vLLM candidate whose load is known."""
+    out: dict[str, tuple[float, float]] = {}
+    band = prompt_band(len(call.raw))
+    for candidate in found:
+        server = services.servers.get(candidate.deployment.provider)
+        load = server.current() if server is not None else None
+        if load is None:
+            continue
+        # Requests this replica sent since the scrape are not in it yet: while the server was
+        # queueing, count them as queued too.
+        queue = load.waiting
+        if queue > 0:
+            queue += max(0.0, services.latency.inflight(candidate.id) - load.running - queue)
+        stats = candidate.stats
+        ttft_p50 = stats.ttft.p50 / 1000 if stats and stats.ttft.p50 is not None else None
+        if ttft_p50 is None and server is not None:
+            recent = server.recent_ttft()
+            ttft_p50 = recent.quantile(0.5) if recent is not None else None
+        total_p50 = stats.total.p50 / 1000 if stats and stats.total.p50 is not None else None
+        predicted = services.predictor.predict(
+            candidate.id,
+            band,
+            waiting=queue,
+            running=load.running,
+            ttft_p50_s=ttft_p50,
+            total_p50_s=total_p50,
+        )
+        if predicted is not None:
+            out[candidate.id] = (predicted, queue)
+    return out
 
 
 class Proxy:
@@ -638,6 +678,13 @@ class Proxy:
         ):
             # Bulk admission on this deployment follows how interactive first tokens fare.
             services.gate.observe(opened.candidate.id, first - self._t0, self._policy.ttft_s)
+        if opened.candidate.queue is not None and first is not None and call.stream:
+            services.predictor.observe(
+                opened.candidate.id,
+                prompt_band(len(call.raw)),
+                opened.candidate.queue,
+                first - opened.started,
+            )
         try:
             if call.stream:
                 await self._relay(opened, send)

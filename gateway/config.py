@@ -83,6 +83,9 @@ class ProviderSpec(_Spec):
     # vllm only: the server runs `--scheduling-policy priority`; bulk requests are sent with
     # this `priority` (vLLM serves lower values first; interactive ones keep the default 0).
     bulk_priority: int | None = None
+    # vllm only: where its Prometheus metrics are read (default: /metrics beside /v1), how often.
+    metrics_url: str | None = None
+    metrics_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     # simulated providers only
     profiles: dict[str, SimProfile] = Field(default_factory=dict)
     default_profile: SimProfile | None = None
@@ -92,6 +95,8 @@ class ProviderSpec(_Spec):
     def _check_kind(self) -> ProviderSpec:
         if self.bulk_priority is not None and self.type != "vllm":
             raise ValueError("bulk_priority is for providers of type vllm")
+        if self.metrics_url is not None and self.type != "vllm":
+            raise ValueError("metrics_url is for providers of type vllm")
         if self.type == "simulated":
             if self.base_url is not None:
                 raise ValueError("a simulated provider runs in-process and takes no base_url")

@@ -393,6 +393,8 @@ class LatencyStore(Recorder, Protocol):
 
     def finished(self, deployment: str, model: str | None = None) -> None: ...
 
+    def inflight(self, tag: str) -> int: ...
+
     async def flush(self) -> None: ...
 
     async def refresh(self) -> Snapshot: ...
@@ -449,6 +451,10 @@ class MemoryLatencyStore:
             # Hedges count against the model the client asked for, whose cap they spend.
             self._windows.counts(_MODEL_TAG + sample.hedge_for, index).hedges += 1
         return keyed
+
+    def inflight(self, tag: str) -> int:
+        """Attempts in progress now on a deployment (this process only)."""
+        return self._inflight.get(tag, 0)
 
     def started(self, deployment: str, model: str | None = None) -> None:
         """An attempt began; pass the same arguments to `finished` when it ends."""

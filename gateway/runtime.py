@@ -34,7 +34,9 @@ from gateway.latency import (
 )
 from gateway.providers import open_providers
 from gateway.providers.base import Provider
-from gateway.routing import Guards, fallback_chain
+from gateway.providers.http import HTTPProvider
+from gateway.providers.vllm import ServerState, metrics_url, scrape_forever
+from gateway.routing import Guards, TTFTPredictor, fallback_chain
 from gateway.telemetry import (
     AccessLog,
     BatchingCollector,
@@ -69,6 +71,8 @@ class Services:
     started_at: float
     metrics: Registry  # what GET /metrics exposes
     batchers: dict[str, BatchingProvider] = field(default_factory=dict)  # by deployment id
+    servers: dict[str, ServerState] = field(default_factory=dict)  # vLLM load, by provider
+    predictor: TTFTPredictor = field(default_factory=TTFTPredictor)
     gate: BulkGate | None = None  # admission of bulk chat requests
     active: int = 0  # requests admitted under these services and not yet finished
     retired: bool = False  # a reload replaced these services
@@ -103,6 +107,7 @@ class Runtime:
         self._extra_recorder = recorder
         self._environ = environ
         self._stack = AsyncExitStack()
+        self.predictor = TTFTPredictor()  # learned from traffic: kept across reloads
         self._draining: set[asyncio.Task[Any]] = set()  # referenced until done
         self._reload_lock = asyncio.Lock()
         self.services: Services  # set by __aenter__
@@ -155,6 +160,7 @@ class Runtime:
         recorders: list[Recorder] = [self.latency, self.meters]
         if self._extra_recorder is not None:
             recorders.append(self._extra_recorder)
+        servers = self._start_scrapers(settings, providers, pools)
         batchers: dict[str, BatchingProvider] = {}
         for model in settings.models:
             if model.batching is None:
@@ -181,8 +187,30 @@ class Runtime:
             metrics=self.registry,
             batchers=batchers,
             gate=BulkGate(settings.routing.bulk),
+            servers=servers,
+            predictor=self.predictor,
             _pools=pools,
         )
+
+    def _start_scrapers(
+        self, settings: Settings, providers: Mapping[str, Provider], pools: AsyncExitStack
+    ) -> dict[str, ServerState]:
+        """A background reader of `/metrics` per vLLM provider, stopped with its pools."""
+        servers: dict[str, ServerState] = {}
+        for name, spec in settings.providers.items():
+            provider = providers[name]
+            if spec.type != "vllm" or not isinstance(provider, HTTPProvider):
+                continue
+            assert spec.base_url is not None
+            state = ServerState(
+                spec.metrics_url or metrics_url(spec.base_url), spec.metrics_interval_s
+            )
+            servers[name] = state
+            task = asyncio.create_task(
+                scrape_forever(state, provider.session, provider.secrets), name=f"vllm-{name}"
+            )
+            pools.push_async_callback(_cancel, task)
+        return servers
 
     # -- reloading --
 

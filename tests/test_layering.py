@@ -15,10 +15,14 @@ LIBRARY_OWNERS = {
     "starlette": {"gateway.api"},
     "uvicorn": {"gateway.cli", "gateway.sim.server"},
     "httpx": set(),
-    "aiohttp": {"gateway.providers.http", "gateway.probe"},
+    "aiohttp": {"gateway.providers.http", "gateway.providers.vllm", "gateway.probe"},
     "redis": {"gateway.latency"},
     "opentelemetry": {"gateway.telemetry.tracing"},
-    "prometheus_client": {"gateway.telemetry.prometheus", "gateway.telemetry.meters"},
+    "prometheus_client": {
+        "gateway.telemetry.prometheus",
+        "gateway.telemetry.meters",
+        "gateway.providers.vllm",  # parses vLLM's /metrics
+    },
     "typer": {"gateway.cli"},
     "rich": {"gateway.cli"},
 }

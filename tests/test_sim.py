@@ -27,6 +27,7 @@ from gateway.sim import (
     create_sim_app,
     load_profiles,
 )
+from gateway.sim.engine import apply_overrides
 
 WATCHDOG_S = 10.0  # only ever reached when a test is broken; conditions are awaited, not slept on
 
@@ -618,3 +619,267 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     for task in (first, second):
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+# Batched inputs: the context limit, one sequence per prompt, seeded text, batch slots.
+
+
+def context_error(response: httpx.Response, param: str, limit: int, requested: int) -> None:
+    """`response` is OpenAI's context-length 400 for `param`."""
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"].startswith(
+        f"This model's maximum context length is {limit} tokens, however you requested "
+        f"{requested} tokens"
+    )
+
+
+async def test_max_input_tokens_rejects_the_whole_request() -> None:
+    """One input over the limit fails the request, whatever the others; at the limit is fine."""
+    engine = SimEngine({"small": SimProfile(max_input_tokens=5)}, seed=1)
+    ok, long = "x" * 20, "x" * 21  # 5 and 6 tokens
+    async with sim_client(engine) as client:
+        embed_ok = await client.post("/v1/embeddings", json={"model": "small", "input": [ok, ok]})
+        embed_bad = await client.post(
+            "/v1/embeddings", json={"model": "small", "input": [ok, long, "y"]}
+        )
+        tokens_bad = await client.post(
+            "/v1/embeddings", json={"model": "small", "input": [[1, 2], [1, 2, 3, 4, 5, 6, 7]]}
+        )
+        prompt_ok = await client.post("/v1/completions", json={"model": "small", "prompt": ok})
+        prompt_bad = await client.post(
+            "/v1/completions", json={"model": "small", "prompt": ["a", "b", long]}
+        )
+        streamed_bad = await client.post(
+            "/v1/completions", json={"model": "small", "prompt": long, "stream": True}
+        )
+        chat_bad = await client.post("/v1/chat/completions", json=chat("small", long))
+        overridden = await client.post(
+            "/v1/embeddings", json={"model": "m@max_input_tokens=50", "input": [ok, "x" * 201]}
+        )
+        unlimited = await client.post("/v1/embeddings", json={"model": "m", "input": "x" * 9000})
+    assert (embed_ok.status_code, prompt_ok.status_code, unlimited.status_code) == (200, 200, 200)
+    context_error(embed_bad, "input", 5, 6)
+    assert "input 1" in embed_bad.json()["error"]["message"]  # names the culprit
+    context_error(tokens_bad, "input", 5, 7)
+    context_error(prompt_bad, "prompt", 5, 6)
+    assert "prompt 2" in prompt_bad.json()["error"]["message"]
+    context_error(streamed_bad, "prompt", 5, 6)
+    context_error(chat_bad, "messages", 5, 6)
+    context_error(overridden, "input", 50, 51)
+    assert engine.stats.requests == 3  # a rejected request is never accepted (nor drawn for)
+
+
+def test_max_input_tokens_is_a_profile_field() -> None:
+    """Settable like any field: in a profile, through `--set` / an override, and unset again."""
+    assert SimProfile().max_input_tokens is None
+    limited = apply_overrides(SimProfile(), "max_input_tokens=512")  # what --set does
+    assert limited.max_input_tokens == 512
+    assert apply_overrides(limited, "max_input_tokens=none").max_input_tokens is None
+    assert SimProfile.model_validate({"max_input_tokens": "8"}).max_input_tokens == 8
+    for bad in (0, -1, "many"):
+        with pytest.raises(ValidationError):
+            SimProfile.model_validate({"max_input_tokens": bad})
+    assert "context_length_exceeded" in (
+        SimProfile.model_fields["max_input_tokens"].description or ""
+    )
+
+
+async def test_each_prompt_is_its_own_sequence() -> None:
+    """Own length, text and finish reason per prompt; usage sums prompt and generated tokens."""
+    engine = SimEngine(default=SimProfile(output_tokens=(2, 30)), seed=4)
+    prompts = ["one", "two two", "three three three", "four " * 4]
+    async with sim_client(engine) as client:
+        response = await client.post(
+            "/v1/completions", json={"model": "m", "prompt": prompts, "max_tokens": 20}
+        )
+    body = response.json()
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    lengths = [len(c["text"].split()) for c in choices]
+    assert len(set(lengths)) > 1  # not one plan copied four times
+    assert len({c["text"] for c in choices}) > 1
+    for choice, length in zip(choices, lengths, strict=True):
+        assert 2 <= length <= 20
+        if length < 20:
+            assert choice["finish_reason"] == "stop"
+    assert "length" in {c["finish_reason"] for c in choices}  # this seed draws one over 20
+    assert body["usage"] == {
+        "prompt_tokens": 1 + 2 + 5 + 5,  # ~chars / 4, rounded up
+        "completion_tokens": sum(lengths),
+        "total_tokens": 13 + sum(lengths),
+    }
+    assert (engine.stats.prompt_tokens, engine.stats.generation_tokens) == (13, sum(lengths))
+    assert (engine.stats.requests, engine.stats.completed) == (1, 1)
+
+
+async def test_n_choices_per_prompt() -> None:
+    """`n` choices per prompt, indexed prompt * n + j; prompt tokens are counted once."""
+    engine = SimEngine(default=SimProfile(output_tokens=3), seed=1)
+    async with sim_client(engine) as client:
+        response = await client.post(
+            "/v1/completions", json={"model": "m", "prompt": ["abcd", "efgh" * 2], "n": 3}
+        )
+        streamed = await client.post(
+            "/v1/completions", json={"model": "m", "prompt": "a", "n": 2, "stream": True}
+        )
+        zero = await client.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 0})
+    body = response.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3, 4, 5]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 18, "total_tokens": 21}
+    for bad in (streamed, zero):
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "n"
+
+
+async def completion_texts(
+    client: httpx.AsyncClient, prompt: Any, seed: int | None, **extra: Any
+) -> list[str]:
+    """The choices' texts of one completion request (a stream is joined into one text)."""
+    body = {"model": "m", "prompt": prompt, "seed": seed, **extra}
+    if extra.get("stream"):
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            events = await sse_events(response)
+        return ["".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])]
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    return [choice["text"] for choice in response.json()["choices"]]
+
+
+async def test_a_seed_makes_text_a_function_of_seed_and_prompt() -> None:
+    """Under a request seed a prompt reads the same alone, in a batch, streamed, on any engine."""
+    prompts = ["alpha", "beta", "gamma", "delta"]
+    engine = SimEngine(default=SimProfile(output_tokens=(3, 30)), seed=1)
+    other = SimEngine(default=SimProfile(output_tokens=(3, 30)), seed=2)
+    async with sim_client(engine) as client, sim_client(other) as other_client:
+        batch = await completion_texts(client, prompts, 42)
+        alone = [(await completion_texts(client, p, 42))[0] for p in reversed(prompts)][::-1]
+        listed = [(await completion_texts(other_client, [p], 42))[0] for p in prompts]
+        streamed = [(await completion_texts(other_client, p, 42, stream=True))[0] for p in prompts]
+        with_n = await completion_texts(client, ["beta"], 42, n=3)
+        other_seed = await completion_texts(client, prompts, 43)
+        unseeded = [await completion_texts(client, prompts, None) for _ in range(2)]
+        token_batch = await completion_texts(client, [[1, 2, 3], [4, 5]], 42)
+        token_alone = await completion_texts(other_client, [4, 5], 42)
+    assert batch == alone == listed == streamed
+    assert len(set(batch)) == len(batch)
+    assert with_n[0] == batch[1]  # choice 0 is the n = 1 text; the others differ
+    assert len(set(with_n)) == 3
+    assert other_seed != batch
+    assert unseeded[0] != unseeded[1]  # without a seed the engine's RNG moves on
+    assert token_alone == token_batch[1:]
+
+
+async def test_a_seed_fixes_chat_text_too() -> None:
+    texts = []
+    for engine_seed in (1, 2):
+        engine = SimEngine(default=SimProfile(output_tokens=(3, 30)), seed=engine_seed)
+        for stream in (False, True):
+            reply = await engine.handle(
+                "POST", "/v1/chat/completions", orjson.dumps(chat("m", seed=9, stream=stream))
+            )
+            if reply.stream is None:
+                assert reply.body is not None
+                texts.append(orjson.loads(reply.body)["choices"][0]["message"]["content"])
+            else:
+                frames = [frame async for frame in reply.stream]
+                deltas = [orjson.loads(f[6:])["choices"][0]["delta"] for f in frames[1:-2]]
+                texts.append("".join(d["content"] for d in deltas))
+    assert len(set(texts)) == 1
+    bad = await SimEngine().handle(
+        "POST", "/v1/chat/completions", orjson.dumps(chat("m", seed="x"))
+    )
+    assert bad.status == 400
+
+
+async def test_prompts_take_their_own_batch_slots() -> None:
+    """Three prompts on two slots: two run, one queues; leaving cancels all three, once."""
+    engine = SimEngine({"two": SimProfile(max_batch=2, prefill_base_ms=60_000)})
+    async with sim_client(engine) as client:
+        request = asyncio.create_task(
+            client.post("/v1/completions", json={"model": "two", "prompt": ["a", "b", "c"]})
+        )
+        await wait_for_stats(engine, lambda s: (s.requests, s.running, s.waiting) == (1, 2, 1))
+        request.cancel()
+        await wait_for_stats(engine, lambda s: s.cancelled == 1 and s.running == s.waiting == 0)
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    assert (engine.stats.completed, engine.stats.faults) == (0, 0)
+
+
+async def test_prompts_run_concurrently_each_with_its_own_prefill() -> None:
+    """Four 200 ms prefills in parallel take ~200 ms; one slot runs them one after another, each
+    paying for its own prompt's tokens only."""
+    loop = asyncio.get_running_loop()
+    engine = SimEngine(
+        {
+            "wide": SimProfile(prefill_base_ms=200),
+            "narrow": SimProfile(max_batch=1, prefill_ms_per_token=1.5),
+        }
+    )
+    async with sim_client(engine) as client:
+
+        async def timed(model: str, prompt: list[str]) -> float:
+            started = loop.time()
+            response = await client.post("/v1/completions", json={"model": model, "prompt": prompt})
+            assert response.status_code == 200
+            return loop.time() - started
+
+        parallel = await timed("wide", ["a", "b", "c", "d"])
+        serial = await timed("narrow", ["x" * 800, "y"])  # 200 and 1 tokens: 300 + 1.5 ms
+    assert 0.19 <= parallel < 0.5  # one after another would be 800 ms
+    assert 0.29 <= serial < 0.5  # each paying for all 201 tokens would be 603 ms
+
+
+@pytest.mark.parametrize(
+    ("override", "status"),
+    [("error_429_rate=1", 429), ("error_500_rate=1", 500), ("inband_error_rate=1", 200)],
+)
+async def test_faults_stay_per_request(override: str, status: int) -> None:
+    engine = SimEngine(default=SimProfile(output_tokens=3))
+    async with sim_client(engine) as client:
+        response = await client.post(
+            "/v1/completions", json={"model": f"m@{override}", "prompt": ["a", "b", "c"]}
+        )
+    assert response.status_code == status
+    assert set(response.json()) == {"error"}
+    assert (engine.stats.requests, engine.stats.faults, engine.stats.generation_tokens) == (1, 1, 0)
+
+
+async def test_a_cut_drops_a_batched_request_once_its_work_is_done() -> None:
+    engine = SimEngine(default=SimProfile(output_tokens=3))
+    async with sim_client(engine) as client:
+        with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
+            await client.post(
+                "/v1/completions", json={"model": "m@cut_rate=1", "prompt": ["a", "b", "c"]}
+            )
+        with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
+            await client.post(
+                "/v1/completions", json={"model": "m@reset_rate=1", "prompt": ["a", "b", "c"]}
+            )
+        await wait_for_stats(engine, lambda s: s.faults == 2)
+    stats = engine.stats
+    assert (stats.requests, stats.completed, stats.running, stats.generation_tokens) == (2, 0, 0, 9)
+
+
+async def test_embeddings_calls_share_the_batch_slots() -> None:
+    """`max_batch: 4` runs four embeddings calls at once; a fifth waits for a slot to free."""
+    engine = SimEngine({"e": SimProfile(max_batch=4, embed_base_ms=150, embed_ms_per_input=25)})
+    loop = asyncio.get_running_loop()
+    async with sim_client(engine) as client:
+
+        async def timed() -> float:
+            started = loop.time()
+            response = await client.post("/v1/embeddings", json={"model": "e", "input": ["a", "b"]})
+            assert response.status_code == 200
+            return loop.time() - started
+
+        calls = [asyncio.create_task(timed()) for _ in range(5)]
+        await wait_for_stats(engine, lambda s: (s.running, s.waiting) == (4, 1))
+        durations = sorted(await asyncio.gather(*calls))
+    assert durations[-1] >= 2 * 0.2 - 0.02  # two rounds of 150 + 2 * 25 ms
+    assert durations[0] < durations[-1]
+    assert (engine.stats.completed, engine.stats.running, engine.stats.waiting) == (5, 0, 0)

@@ -113,6 +113,7 @@ class HTTPProvider:
         self.address = urlsplit(spec.base_url).hostname
         self.bulk_priority = spec.bulk_priority
         self._session = session
+        self.session = session  # also used to read a vLLM server's /metrics
         base = spec.base_url.rstrip("/")
         paths = _ANTHROPIC_PATHS if self.wire == "anthropic" else _OPENAI_PATHS
         self._urls = {endpoint: base + path for endpoint, path in paths.items()}

@@ -18,6 +18,7 @@ from gateway.routing.plan import (
     Candidate,
     Plan,
     Route,
+    by_prediction,
     candidates,
     deadline,
     fallback_chain,
@@ -26,6 +27,7 @@ from gateway.routing.plan import (
     plan,
     weighted_order,
 )
+from gateway.routing.predict import TTFTPredictor, prompt_band
 
 __all__ = [
     "Attempt",
@@ -40,7 +42,9 @@ __all__ = [
     "Policy",
     "RetryBudget",
     "Route",
+    "TTFTPredictor",
     "Tally",
+    "by_prediction",
     "candidates",
     "deadline",
     "fallback_chain",
@@ -48,5 +52,6 @@ __all__ = [
     "hedge_point",
     "open_first",
     "plan",
+    "prompt_band",
     "weighted_order",
 ]

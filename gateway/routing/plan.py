@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from gateway.config import DeploymentSpec, ModelSpec, OnTTFTMiss, Settings
@@ -44,6 +44,10 @@ class Candidate:
     deployment: DeploymentSpec
     provider: Provider
     stats: TargetStats | None = None
+    # A vLLM deployment whose load is known: the TTFT predicted from its queue right now, and
+    # the queue it was predicted from (see gateway/routing/predict.py).
+    predicted_ttft_s: float | None = None
+    queue: float | None = None
 
     @property
     def id(self) -> str:
@@ -51,11 +55,16 @@ class Candidate:
 
     @property
     def ttft_p99_s(self) -> float | None:
-        """Trusted observed p99 TTFT, else the configured prior, else unknown."""
+        """The TTFT predicted from the server's load, else the trusted observed p99, else the
+        configured prior, else unknown."""
+        if self.predicted_ttft_s is not None:
+            return self.predicted_ttft_s
         return _trusted(self.stats.ttft if self.stats else None, "p99", self._prior("ttft_ms"))
 
     def ttft_quantile_s(self, level: Literal["p90", "p95", "p99"]) -> float | None:
-        """A trusted observed TTFT quantile (the prior only knows p99)."""
+        """The predicted TTFT, else a trusted observed quantile (the prior only knows p99)."""
+        if self.predicted_ttft_s is not None:
+            return self.predicted_ttft_s
         return _trusted(self.stats.ttft if self.stats else None, level, self._prior("ttft_ms"))
 
     def predicted_total_s(self, max_tokens: int | None) -> float | None:
@@ -165,6 +174,35 @@ def candidates(
             param="model",
         )
     return found
+
+
+def by_prediction(
+    found: Sequence[Candidate], predictions: Mapping[str, tuple[float, float]]
+) -> list[Candidate]:
+    """Attach predicted TTFTs (deployment id -> (predicted seconds, queue)) and, within each
+    model, put the deployments with a prediction first, fastest first: several vLLM servers
+    behind one model are balanced by predicted TTFT, not by weight. Those without one keep
+    their order after them."""
+    if not predictions:
+        return list(found)
+    out: list[Candidate] = []
+    index = 0
+    while index < len(found):
+        end = index
+        while end < len(found) and found[end].model == found[index].model:
+            end += 1
+        group = []
+        for candidate in found[index:end]:
+            known = predictions.get(candidate.id)
+            if known is not None:
+                candidate = replace(candidate, predicted_ttft_s=known[0], queue=known[1])
+            group.append(candidate)
+        group.sort(
+            key=lambda c: (0, c.predicted_ttft_s) if c.predicted_ttft_s is not None else (1, 0.0)
+        )
+        out.extend(group)
+        index = end
+    return out
 
 
 def deadline(remaining_s: float, successor: Candidate | None) -> float:

@@ -2,9 +2,11 @@
 
 Time to first token is queueing (waiting FIFO for one of `max_batch` slots) plus prefill (a base
 cost plus a cost per prompt token, optionally with a heavy tail). Decoding runs at `tokens_per_s`,
-each step slower as the batch fills (continuous batching). Faults (429, 500, resets, stalls, cut
-streams, in-band errors) are drawn per request at configured rates. Every draw comes from one
-seeded RNG in arrival order, so a run is reproducible.
+each step slower as the batch fills (continuous batching). A completions request with several
+prompts (or `n` > 1) runs one sequence per choice, each in its own slot, as vLLM does. Faults (429,
+500, resets, stalls, cut streams, in-band errors) are drawn per request at configured rates. Every
+draw comes from one seeded RNG in arrival order, so a run is reproducible; a request's own integer
+`seed` makes each choice's text a function of (seed, prompt) alone.
 
 The engine speaks bytes in and bytes out (`SimEngine.handle`), so the in-process provider and the
 standalone server (`gateway.sim.server`) share one implementation. With every delay at zero it
@@ -23,7 +25,7 @@ import random
 import struct
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal, TypeVar
 
@@ -76,6 +78,13 @@ Rate = Annotated[float, Field(ge=0, le=1)]
 NonNegative = Annotated[float, Field(ge=0)]
 
 
+def _none_word(value: object) -> object:
+    """Accept `none` / `null` (CLI flags, model-name overrides) for an unset optional field."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+        return None
+    return value
+
+
 class SimProfile(BaseModel):
     """How one simulated model behaves. Every delay and fault defaults to zero / off."""
 
@@ -95,6 +104,16 @@ class SimProfile(BaseModel):
     slow_rate: Rate = Field(0.0, description="Share of requests (0..1) whose TTFT gets `slow_ms`.")
     slow_ms: MsRange = Field(
         0.0, description="Extra TTFT for slow requests (ms), or a [lo, hi] uniform range."
+    )
+    # Context limit.
+    max_input_tokens: Annotated[int | None, BeforeValidator(_none_word)] = Field(
+        None,
+        ge=1,
+        description="Longest input accepted, in prompt tokens as counted here (~chars/4, or the "
+        "length of a token array): one longer embeddings input, completions prompt or chat "
+        "conversation fails the whole request with a 400 `invalid_request_error`, code "
+        "`context_length_exceeded`, param `input`/`prompt`/`messages`, as OpenAI and vLLM do. "
+        "Checked before any fault is drawn. None (`none` in an override): no limit.",
     )
     # Decode.
     tokens_per_s: NonNegative = Field(
@@ -262,11 +281,19 @@ class _Target:
 
 
 class _BadRequestError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        *,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.code = code
 
 
 # Pseudo-text: a cycle over a fixed word list, each request starting at a seeded offset.
@@ -333,24 +360,12 @@ def _message_chars(messages: object) -> int:
     return chars
 
 
-def _prompts(prompt: object) -> list[int]:
-    """Prompt tokens of each prompt: a string, strings, one token array, or token arrays."""
-    if isinstance(prompt, str):
-        return [_text_tokens(len(prompt))]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return [_text_tokens(len(p)) for p in prompt]
-        if all(isinstance(p, int) for p in prompt):
-            return [len(prompt)]
-        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
-            return [len(p) for p in prompt]
-    raise _BadRequestError(
-        "'prompt' must be a string, an array of strings or an array of token arrays", "prompt"
-    )
+def _pieces(value: object, param: str) -> list[tuple[bytes, int]]:
+    """Prompts or embedding inputs as (key, tokens): a string, strings, token array(s).
 
-
-def _inputs(value: object) -> list[tuple[bytes, int]]:
-    """Embedding inputs as (hash key, tokens): a string, strings, token array(s)."""
+    The key identifies the text (it hashes embedding vectors and seeded completions): a string's
+    UTF-8 bytes, or a NUL byte and the JSON of a token array.
+    """
     if isinstance(value, str):
         return [(value.encode(), _text_tokens(len(value)))]
     if isinstance(value, list) and value:
@@ -361,8 +376,54 @@ def _inputs(value: object) -> list[tuple[bytes, int]]:
         if all(isinstance(v, list) and v and all(isinstance(t, int) for t in v) for v in value):
             return [(b"\x00" + orjson.dumps(v), len(v)) for v in value]
     raise _BadRequestError(
-        "'input' must be a string, an array of strings or an array of token arrays", "input"
+        f"'{param}' must be a string, an array of strings or an array of token arrays", param
     )
+
+
+def _check_context(limit: int | None, tokens: Sequence[int], param: str) -> None:
+    """Reject the whole request when any one input is longer than the profile's limit."""
+    if limit is None:
+        return
+    for i, count in enumerate(tokens):
+        if count > limit:
+            where = f"{param} {i}" if len(tokens) > 1 else f"the {param}"
+            raise _BadRequestError(
+                f"This model's maximum context length is {limit} tokens, however you requested "
+                f"{count} tokens ({count} in {where}). Please reduce the length of the {param}.",
+                param,
+                code="context_length_exceeded",
+            )
+
+
+def _seed(request: dict[str, Any]) -> int | None:
+    seed = request.get("seed")
+    if seed is None:
+        return None
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise _BadRequestError("'seed' must be an integer", "seed")
+    return seed
+
+
+_MAX_N: Final = 128  # OpenAI's limit
+
+
+def _choices_per_prompt(request: dict[str, Any]) -> int:
+    n = request.get("n")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= _MAX_N:
+        raise _BadRequestError(f"'n' must be an integer in [1, {_MAX_N}]", "n")
+    return n
+
+
+def _seeded(seed: int, key: bytes, choice: int) -> random.Random:
+    """The RNG of one choice's text under a request seed: a function of (seed, prompt, choice).
+
+    It draws the output length and the first word, so a prompt gets the same text alone or inside
+    a batch of prompts, whatever else the engine has drawn before.
+    """
+    digest = hashlib.blake2b(b"%d\x00%d\x00" % (seed, choice) + key, digest_size=8).digest()
+    return random.Random(int.from_bytes(digest, "little"))
 
 
 @functools.lru_cache(maxsize=_VECTOR_CACHE_SIZE)
@@ -407,7 +468,11 @@ def _stream_flag(request: dict[str, Any]) -> bool:
 
 @dataclass(slots=True)
 class _Plan:
-    """Everything drawn for one generating request, before any time passes."""
+    """Everything drawn for one generated sequence, before any time passes.
+
+    A request generates one sequence per choice (several for a list of prompts, or `n` > 1); each
+    takes its own batch slot. `stall_s` and `cut` belong to the request: its sequences share them.
+    """
 
     target: _Target
     prompt_tokens: int
@@ -488,7 +553,7 @@ class SimEngine:
             raise _BadRequestError(f"no such endpoint: {method} {path}", status=404)
         except _BadRequestError as exc:
             return _json_reply(
-                exc.status, _error_body(exc.message, "invalid_request_error", exc.param)
+                exc.status, _error_body(exc.message, "invalid_request_error", exc.param, exc.code)
             )
 
     # Parsing and resolution.
@@ -569,11 +634,22 @@ class SimEngine:
             return self._rng.uniform(*value)
         return value
 
-    def _plan(self, target: _Target, prompt_tokens: int, max_tokens: int | None) -> _Plan:
+    def _plan(
+        self,
+        target: _Target,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        *,
+        text: random.Random | None = None,
+        request: _Plan | None = None,
+    ) -> _Plan:
+        """Draw one sequence. `text` (a seeded RNG) draws its length and words instead of the
+        engine; `request` is the request's first sequence, whose stall and cut it shares."""
         profile, rng = target.profile, self._rng
+        words = rng if text is None else text
         natural = profile.output_tokens
         if isinstance(natural, tuple):
-            natural = rng.randint(*natural)
+            natural = words.randint(*natural)
         n, finish = natural, "stop"
         if max_tokens is not None and max_tokens < natural:
             n, finish = max_tokens, "length"
@@ -582,9 +658,12 @@ class SimEngine:
             ttft_s *= rng.lognormvariate(0.0, profile.ttft_sigma)
         if self._hit(profile.slow_rate):
             ttft_s += self._ms(profile.slow_ms) / 1000
-        stall_s = profile.stall_ms / 1000 if self._hit(profile.stall_rate) else 0.0
-        cut = self._hit(profile.cut_rate)
-        offset = rng.randrange(len(_TOKENS))
+        if request is None:
+            stall_s = profile.stall_ms / 1000 if self._hit(profile.stall_rate) else 0.0
+            cut = self._hit(profile.cut_rate)
+        else:
+            stall_s, cut = request.stall_s, request.cut
+        offset = words.randrange(len(_TOKENS))
         return _Plan(target, prompt_tokens, n, finish, offset, stall_s, ttft_s, cut)
 
     def _inband(self, profile: SimProfile) -> bytes | None:
@@ -610,15 +689,19 @@ class SimEngine:
 
     async def _chat(self, request: dict[str, Any]) -> SimReply:
         target = self._target(request)
-        prompt_tokens = _text_tokens(_message_chars(request.get("messages")))
+        messages = request.get("messages")
+        prompt_tokens = _text_tokens(_message_chars(messages))
+        _check_context(target.profile.max_input_tokens, (prompt_tokens,), "messages")
         max_tokens = _max_tokens(request)
         stream = _stream_flag(request)
         usage = _include_usage(request)
+        seed = _seed(request)
         if (early := self._early_fault(target.profile)) is not None:
             return early
         if (inband := self._inband(target.profile)) is not None:
             return self._inband_reply(inband, stream)
-        plan = self._plan(target, prompt_tokens, max_tokens)
+        text = None if seed is None else _seeded(seed, orjson.dumps(messages), 0)
+        plan = self._plan(target, prompt_tokens, max_tokens, text=text)
         if stream:
             head = (
                 b'data: {"id":"'
@@ -647,7 +730,7 @@ class SimEngine:
                     usage_head=head + b'[],"usage":' if usage else None,
                 ),
             )
-        await self._generate(plan)
+        await self._generate((plan,), plan.prompt_tokens)
         completion = {
             "id": self._new_id("chatcmpl-"),
             "object": "chat.completion",
@@ -671,18 +754,35 @@ class SimEngine:
         return _json_reply(200, orjson.dumps(completion))
 
     async def _completions(self, request: dict[str, Any]) -> SimReply:
+        """Each prompt, and each of its `n` choices, is a sequence of its own (as in vLLM).
+
+        Choice `index` is `prompt * n + j`. Under an integer `seed` a choice's text is a function
+        of (seed, prompt, j), so a prompt reads the same alone or among others. Faults are drawn
+        once for the whole request.
+        """
         target = self._target(request)
-        prompts = _prompts(request.get("prompt"))
+        prompts = _pieces(request.get("prompt"), "prompt")
+        _check_context(target.profile.max_input_tokens, [t for _, t in prompts], "prompt")
         max_tokens = _max_tokens(request)
         stream = _stream_flag(request)
         usage = _include_usage(request)
+        seed = _seed(request)
+        per_prompt = _choices_per_prompt(request)
         if stream and len(prompts) > 1:
             raise _BadRequestError("streaming supports a single prompt only", "prompt")
+        if stream and per_prompt > 1:
+            raise _BadRequestError("streaming supports n = 1 only", "n")
         if (early := self._early_fault(target.profile)) is not None:
             return early
         if (inband := self._inband(target.profile)) is not None:
             return self._inband_reply(inband, stream)
-        plan = self._plan(target, sum(prompts), max_tokens)
+        plans: list[_Plan] = []
+        for key, tokens in prompts:
+            for j in range(per_prompt):
+                text = None if seed is None else _seeded(seed, key, j)
+                first = plans[0] if plans else None
+                plans.append(self._plan(target, tokens, max_tokens, text=text, request=first))
+        plan = plans[0]
         if stream:
             head = (
                 b'data: {"id":"'
@@ -710,24 +810,30 @@ class SimEngine:
                     usage_head=head + b'[],"usage":' if usage else None,
                 ),
             )
-        await self._generate(plan)
-        text = _text(plan.offset, plan.n)
+        prompt_tokens = sum(tokens for _, tokens in prompts)  # once per prompt, whatever n is
+        await self._generate(plans, prompt_tokens)
         completion = {
             "id": self._new_id("cmpl-"),
             "object": "text_completion",
             "created": int(time.time()),
             "model": request["model"],
             "choices": [
-                {"index": i, "text": text, "logprobs": None, "finish_reason": plan.finish_reason}
-                for i in range(len(prompts))
+                {
+                    "index": i,
+                    "text": _text(p.offset, p.n),
+                    "logprobs": None,
+                    "finish_reason": p.finish_reason,
+                }
+                for i, p in enumerate(plans)
             ],
-            "usage": _usage(plan.prompt_tokens, plan.n * len(prompts)),
+            "usage": _usage(prompt_tokens, sum(p.n for p in plans)),
         }
         return _json_reply(200, orjson.dumps(completion))
 
     async def _embeddings(self, request: dict[str, Any]) -> SimReply:
         target = self._target(request)
-        inputs = _inputs(request.get("input"))
+        inputs = _pieces(request.get("input"), "input")
+        _check_context(target.profile.max_input_tokens, [t for _, t in inputs], "input")
         encoding = request.get("encoding_format") or "float"
         if encoding not in ("float", "base64"):
             raise _BadRequestError(
@@ -791,28 +897,40 @@ class SimEngine:
         stats.completed += 1
         stats.changed()
 
-    async def _generate(self, plan: _Plan) -> None:
-        """A non-streaming generation: the same timeline as a stream, without the frames."""
-        stats, target = self.stats, plan.target
-        pool = target.pool
+    async def _generate(self, plans: Sequence[_Plan], prompt_tokens: int) -> None:
+        """A non-streaming generation: the same timeline as a stream, without the frames.
+
+        The request stalls once, then its sequences run concurrently, each in its own batch slot
+        (queueing FIFO for one like any other request); it answers when the last one is done.
+        """
+        stats = self.stats
         try:
-            if plan.stall_s:
-                await asyncio.sleep(plan.stall_s)
-            await pool.acquire()
-            try:
-                if plan.ttft_s:
-                    await asyncio.sleep(plan.ttft_s)
-                if target.step_s and plan.n > 1:
-                    await self._decode(pool, target, plan.n - 1)
-            finally:
-                pool.release()
+            if plans[0].stall_s:
+                await asyncio.sleep(plans[0].stall_s)
+            if len(plans) == 1:
+                await self._sequence(plans[0])
+            else:  # cancelling the request cancels every sequence and waits for their slots
+                await asyncio.gather(*(self._sequence(plan) for plan in plans))
         except asyncio.CancelledError:
             stats.cancelled += 1
             stats.changed()
             raise
-        stats.prompt_tokens += plan.prompt_tokens
-        stats.generation_tokens += plan.n
-        self._finish(plan.cut)
+        stats.prompt_tokens += prompt_tokens
+        stats.generation_tokens += sum(plan.n for plan in plans)
+        self._finish(plans[0].cut)
+
+    async def _sequence(self, plan: _Plan) -> None:
+        """One sequence: a batch slot, held through prefill and decode."""
+        target = plan.target
+        pool = target.pool
+        await pool.acquire()
+        try:
+            if plan.ttft_s:
+                await asyncio.sleep(plan.ttft_s)
+            if target.step_s and plan.n > 1:
+                await self._decode(pool, target, plan.n - 1)
+        finally:
+            pool.release()
 
     @staticmethod
     async def _decode(pool: _Pool, target: _Target, steps: int) -> None:

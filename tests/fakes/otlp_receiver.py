@@ -228,7 +228,8 @@ async def _reply(send: Send, status: int, body: bytes, content_type: str) -> Non
 
 
 class RecordingApp:
-    """Passes every request on to `app`, keeping each HTTP request's path and headers."""
+    """Passes every request on to `app`, keeping each POST's path and headers (not the
+    gateway's reads of a vLLM provider's /metrics)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self._app = app
@@ -239,7 +240,7 @@ class RecordingApp:
         return [headers for _, headers in self.requests]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope["method"] == "POST":
             headers = {
                 name.decode("latin-1").lower(): value.decode("latin-1")
                 for name, value in scope["headers"]

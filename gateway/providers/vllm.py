@@ -1,0 +1,219 @@
+"""What a vLLM server says about its own load, read from its Prometheus `/metrics`.
+
+Scraped by a background task per server (never on the request path), every
+`metrics_interval_s`. A server whose last good scrape is older than three intervals, or whose
+metrics cannot be read, is *unknown* (not idle): routing then relies on the latency statistics
+alone. Both the current and the older metric names are read (`kv_cache_usage_perc` /
+`gpu_cache_usage_perc`, `inter_token_latency_seconds` / `time_per_output_token_seconds`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.errors import scrub
+
+logger = logging.getLogger(__name__)
+
+STALE_INTERVALS = 3  # a scrape older than this many intervals is not trusted
+
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_TTFT = "vllm:time_to_first_token_seconds"
+_TPOT = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Cumulative bucket counts (upper bound -> count), as Prometheus exposes them."""
+
+    buckets: tuple[tuple[float, float], ...] = ()
+    count: float = 0.0
+    total: float = 0.0
+
+    def since(self, earlier: Histogram | None) -> Histogram:
+        """The observations made after `earlier` (a counter reset keeps the new values)."""
+        if earlier is None or self.count < earlier.count:
+            return self
+        before = dict(earlier.buckets)
+        return Histogram(
+            tuple((le, n - before.get(le, 0.0)) for le, n in self.buckets),
+            self.count - earlier.count,
+            self.total - earlier.total,
+        )
+
+    def quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding the q-quantile (nearest rank), or None."""
+        if self.count <= 0:
+            return None
+        rank = max(1.0, q * self.count)
+        for le, n in self.buckets:
+            if n >= rank:
+                return le if le != float("inf") else None
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLoad:
+    """One scrape of one vLLM server (summed over its models when it serves several)."""
+
+    running: float
+    waiting: float
+    kv_usage: float | None
+    ttft: Histogram
+    tpot: Histogram
+    scraped_at: float  # monotonic
+
+
+def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
+    """Read a vLLM `/metrics` page. `model` restricts to one `model_name` label when given.
+
+    Raises ValueError when the page is not Prometheus text or lacks the queue gauges.
+    """
+    running = waiting = 0.0
+    seen_queue = False
+    kv: dict[str, float] = {}
+    ttft: dict[float, float] = {}
+    ttft_count = ttft_sum = 0.0
+    tpot: dict[str, dict[float, float]] = {}
+    tpot_count: dict[str, float] = {}
+    tpot_sum: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if model is not None and labels.get("model_name", model) != model:
+                continue
+            name, value = sample.name, float(sample.value)
+            if name == _RUNNING:
+                running += value
+                seen_queue = True
+            elif name == _WAITING:
+                waiting += value
+                seen_queue = True
+            elif name in _KV:
+                kv[name] = max(kv.get(name, 0.0), value)
+            elif name == _TTFT + "_bucket":
+                le = float(labels["le"])
+                ttft[le] = ttft.get(le, 0.0) + value
+            elif name == _TTFT + "_count":
+                ttft_count += value
+            elif name == _TTFT + "_sum":
+                ttft_sum += value
+            else:
+                for base in _TPOT:
+                    if name == base + "_bucket":
+                        le = float(labels["le"])
+                        tpot.setdefault(base, {})[le] = tpot.get(base, {}).get(le, 0.0) + value
+                    elif name == base + "_count":
+                        tpot_count[base] = tpot_count.get(base, 0.0) + value
+                    elif name == base + "_sum":
+                        tpot_sum[base] = tpot_sum.get(base, 0.0) + value
+    if not seen_queue:
+        raise ValueError("no vllm:num_requests_running / num_requests_waiting on the page")
+    kv_usage = next((kv[name] for name in _KV if name in kv), None)
+    tpot_name = next((base for base in _TPOT if base in tpot), _TPOT[0])
+    return ServerLoad(
+        running=running,
+        waiting=waiting,
+        kv_usage=kv_usage,
+        ttft=Histogram(tuple(sorted(ttft.items())), ttft_count, ttft_sum),
+        tpot=Histogram(
+            tuple(sorted(tpot.get(tpot_name, {}).items())),
+            tpot_count.get(tpot_name, 0.0),
+            tpot_sum.get(tpot_name, 0.0),
+        ),
+        scraped_at=time.monotonic(),
+    )
+
+
+def metrics_url(base_url: str) -> str:
+    """vLLM serves `/metrics` at the root, beside `/v1`."""
+    parts = urlsplit(base_url)
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return urlunsplit((parts.scheme, parts.netloc, path + "/metrics", "", ""))
+
+
+@dataclass(slots=True)
+class ServerState:
+    """The latest known load of one server, and how fresh it is."""
+
+    url: str
+    interval_s: float
+    load: ServerLoad | None = None
+    previous: ServerLoad | None = None  # the scrape before, for recent histogram deltas
+    failures: int = 0
+    last_error: str | None = None
+    scrapes: int = 0
+    clock: Callable[[], float] = field(default=time.monotonic)
+
+    def current(self) -> ServerLoad | None:
+        """The load, or None when unknown (never scraped, failing, or stale)."""
+        load = self.load
+        if load is None or self.failures:
+            return None
+        if self.clock() - load.scraped_at > STALE_INTERVALS * self.interval_s:
+            return None
+        return load
+
+    def recent_ttft(self) -> Histogram | None:
+        """TTFTs vLLM observed between the last two scrapes (None when unknown)."""
+        load = self.current()
+        if load is None:
+            return None
+        return load.ttft.since(self.previous.ttft if self.previous is not None else None)
+
+
+async def scrape_forever(
+    state: ServerState, session: aiohttp.ClientSession, secrets: tuple[str, ...] = ()
+) -> None:
+    """Refresh `state` every interval until cancelled; errors mark the server unknown."""
+    timeout = aiohttp.ClientTimeout(total=max(0.5, state.interval_s))
+    while True:
+        try:
+            async with session.get(state.url, timeout=timeout) as response:
+                if response.status != 200:
+                    raise ValueError(f"HTTP {response.status}")
+                text = await response.text()
+            # A page runs to tens of kilobytes: parsed off the event loop.
+            load = await asyncio.to_thread(parse_metrics, text)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            state.failures += 1
+            state.last_error = scrub(f"{type(exc).__name__}: {exc}", secrets)[:200]
+            if state.failures == 1:
+                logger.warning("vLLM metrics unavailable at %s: %s", state.url, state.last_error)
+        else:
+            if state.failures:
+                logger.info("vLLM metrics back at %s", state.url)
+            state.previous, state.load = state.load, load
+            state.failures = 0
+            state.last_error = None
+            state.scrapes += 1
+        await asyncio.sleep(state.interval_s)
+
+
+def snapshot(states: Mapping[str, ServerState]) -> dict[str, dict[str, object]]:
+    """Per provider, what `/admin/latency` and the metrics show."""
+    out: dict[str, dict[str, object]] = {}
+    for name, state in states.items():
+        load = state.current()
+        out[name] = {
+            "state": "ok" if load is not None else "unknown",
+            "running": load.running if load else None,
+            "waiting": load.waiting if load else None,
+            "kv_cache_usage": load.kv_usage if load else None,
+            "last_error": state.last_error,
+        }
+    return out
