@@ -161,6 +161,7 @@ class Runtime:
         if self._extra_recorder is not None:
             recorders.append(self._extra_recorder)
         servers = self._start_scrapers(settings, providers, pools)
+        gate = BulkGate(settings.routing.bulk)
         batchers: dict[str, BatchingProvider] = {}
         for model in settings.models:
             if model.batching is None:
@@ -169,7 +170,7 @@ class Runtime:
                 provider = providers[d.provider]
                 if d.id not in batchers and provider.wire == "openai":
                     batchers[d.id] = BatchingProvider(
-                        provider, d.id, model.batching, observer=self.meters.batch
+                        provider, d.id, model.batching, observer=self.meters.batch, gate=gate
                     )
         return Services(
             settings=settings,
@@ -186,7 +187,7 @@ class Runtime:
             started_at=time.time(),
             metrics=self.registry,
             batchers=batchers,
-            gate=BulkGate(settings.routing.bulk),
+            gate=gate,
             servers=servers,
             predictor=self.predictor,
             _pools=pools,

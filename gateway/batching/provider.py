@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from gateway.batching.gate import BulkGate
 from gateway.batching.queue import BatchQueue, Item, settle
 from gateway.config import BatchingSpec
 from gateway.errors import OverloadedError, ProviderError, ProviderRejectedError
@@ -66,8 +67,10 @@ class BatchingProvider:
         spec: BatchingSpec,
         *,
         observer: Observer | None = None,
+        gate: BulkGate | None = None,
     ) -> None:
         self.inner = inner
+        self._gate = gate
         self.deployment = deployment
         self.spec = spec
         self.name = inner.name
@@ -134,6 +137,24 @@ class BatchingProvider:
         self, endpoint: Endpoint, headers: Mapping[str, str], batch: list[Item[_Part, _Answer]]
     ) -> None:
         parts = [item.payload for item in batch]
+        gate = self._gate
+        if gate is not None:
+            # A batch is bulk work on the deployment: it takes a bulk slot, so batches yield
+            # to interactive traffic the way bulk chat does.
+            await gate.acquire(self.deployment)
+        try:
+            await self._send_parts(endpoint, headers, batch, parts)
+        finally:
+            if gate is not None:
+                gate.release(self.deployment)
+
+    async def _send_parts(
+        self,
+        endpoint: Endpoint,
+        headers: Mapping[str, str],
+        batch: list[Item[_Part, _Answer]],
+        parts: list[_Part],
+    ) -> None:
         try:
             answers = await self._call(endpoint, headers, parts)
         except ProviderRejectedError as error:
