@@ -47,6 +47,7 @@ from gateway.latency import (
     TargetStats,
 )
 from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
+from gateway.providers.vllm import snapshot as vllm_snapshot
 from gateway.routing import (
     Budget,
     Candidate,
@@ -926,6 +927,9 @@ def _latency_view(services: Services) -> dict[str, Any]:
             deployments[deployment] = TargetStats.empty().as_dict()
         deployments[deployment]["cooldown_until"] = round(until, 3)
     body["store"] = services.latency.health()
+    if services.servers:
+        body["vllm"] = vllm_snapshot(services.servers)
+        body["predictor"] = services.predictor.learned()
     body["config"] = {
         "models": [
             {

@@ -121,11 +121,21 @@ def test_the_first_that_fits_leads() -> None:
 
 
 def test_a_later_candidate_that_fits_leads_and_the_rest_keep_their_order() -> None:
-    """The first that fits is moved to the front (route budget); the others keep their order."""
+    """The first that fits is moved to the front (route budget); of the others, those that
+    fit follow first (failing over back to one that cannot meet the budget would not help), each
+    group in its order; with one of them to rescue it, the lead keeps its TTFT deadline."""
     found = [cand("a", SLOW), cand("b", SLOWER), cand("c", FAST), cand("d", FAST)]
     chosen = plan(found, call(), STRICT)
-    assert ids(chosen.candidates) == ["c", "a", "b", "d"]
+    assert ids(chosen.candidates) == ["c", "d", "a", "b"]
     assert chosen.route == "budget"
+    assert chosen.ttft_rescue
+
+
+def test_a_budget_lead_with_no_fitting_successor_gets_no_ttft_deadline() -> None:
+    """When no other candidate fits either, a late first token on the lead is waited for."""
+    chosen = plan([cand("a", SLOW), cand("c", FAST)], call(), STRICT)
+    assert ids(chosen.candidates) == ["c", "a"]
+    assert not chosen.ttft_rescue
 
 
 # --- the rescue rule ---------------------------------------------------------------------------

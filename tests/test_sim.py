@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 from pydantic import ValidationError
 
+from gateway.providers.vllm import parse_metrics
 from gateway.sim import (
     SimConfigError,
     SimConnectionReset,
@@ -621,6 +622,22 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
             await task
 
 
+async def test_slot_freed_as_its_waiter_is_cancelled() -> None:
+    """The holder is cancelled, then its only waiter, in the same loop iteration: the freed slot
+    skips the cancelled waiter, which leaves the queue without an error."""
+    engine = SimEngine(default=SimProfile(max_batch=1, prefill_base_ms=60_000))
+    body = orjson.dumps(chat("m"))
+    holder = asyncio.create_task(engine.handle("POST", "/v1/chat/completions", body))
+    await wait_for_stats(engine, lambda s: s.running == 1)
+    waiter = asyncio.create_task(engine.handle("POST", "/v1/chat/completions", body))
+    await wait_for_stats(engine, lambda s: s.waiting == 1)
+    holder.cancel()
+    waiter.cancel()
+    results = await asyncio.gather(holder, waiter, return_exceptions=True)
+    assert [type(r) for r in results] == [asyncio.CancelledError, asyncio.CancelledError]
+    assert (engine.stats.running, engine.stats.waiting, engine.stats.cancelled) == (0, 0, 2)
+
+
 # Batched inputs: the context limit, one sequence per prompt, seeded text, batch slots.
 
 
@@ -883,3 +900,218 @@ async def test_embeddings_calls_share_the_batch_slots() -> None:
     assert durations[-1] >= 2 * 0.2 - 0.02  # two rounds of 150 + 2 * 25 ms
     assert durations[0] < durations[-1]
     assert (engine.stats.completed, engine.stats.running, engine.stats.waiting) == (5, 0, 0)
+
+
+# vLLM's /metrics.
+
+
+def family_names(page: str) -> set[str]:
+    return {line.split()[2] for line in page.splitlines() if line.startswith("# TYPE ")}
+
+
+def sample(page: str, prefix: str) -> float:
+    """The value of the one sample line that starts with `prefix` (name and labels)."""
+    found = [line.rsplit(" ", 1)[1] for line in page.splitlines() if line.startswith(prefix)]
+    assert len(found) == 1, (prefix, found)
+    return float(found[0])
+
+
+async def test_metrics_follow_the_queue_under_load() -> None:
+    """running / waiting on the page are the engine's own counts; aborts show when clients go."""
+    engine = SimEngine(
+        {"q": SimProfile(max_batch=2, tokens_per_s=5, output_tokens=1000, kv_tokens_per_seq=100)}
+    )
+    async with sim_client(engine, timeout=WATCHDOG_S) as client:
+        gone = asyncio.Event()
+
+        async def hold() -> None:
+            # A stream the client keeps open without reading on: it holds its slot or its place.
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=chat("q", "x" * 40, stream=True)
+            ):
+                await gone.wait()
+
+        holders = [asyncio.create_task(hold()) for _ in range(5)]
+        await wait_for_stats(engine, lambda s: s.running == 2 and s.waiting == 3)
+        response = await client.get("/metrics")
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        page = response.text
+        load = parse_metrics(page)
+        assert (load.running, load.waiting) == (engine.stats.running, engine.stats.waiting)
+        assert (load.running, load.waiting) == (2.0, 3.0)
+        assert parse_metrics(page, model="q").waiting == 3.0
+        # Two running sequences hold their 10-token prompts plus what they generated so far, of
+        # 2 x 100 tokens of room.
+        assert load.kv_usage is not None and 20 / 200 <= load.kv_usage <= 1.0
+        assert sample(page, 'vllm:num_requests_running{model_name="q",engine="0"}') == 2.0
+
+        gone.set()
+        await asyncio.gather(*holders)
+        await wait_for_stats(engine, lambda s: s.cancelled == 5 and s.running == 0)
+        page = (await client.get("/metrics")).text
+    load = parse_metrics(page)
+    assert (load.running, load.waiting, load.kv_usage) == (0.0, 0.0, 0.0)
+    labels = 'model_name="q",engine="0"'
+    assert sample(page, f'vllm:request_success_total{{{labels},finished_reason="abort"}}') == 5
+    assert sample(page, f'vllm:request_success_total{{{labels},finished_reason="stop"}}') == 0
+    assert load.ttft.count == 2  # only the two that got a slot made a first token
+    assert sample(page, f"vllm:e2e_request_latency_seconds_count{{{labels}}}") == 0
+
+
+async def test_metrics_histograms_and_counters_of_finished_requests() -> None:
+    """TTFT from arrival (queue included) in vLLM's buckets; one inter-token interval per
+    token after the first; e2e and the finish reasons; token counters match the engine's."""
+    profile = SimProfile(max_batch=1, prefill_base_ms=30, tokens_per_s=50, output_tokens=4)
+    engine = SimEngine({"h": profile})
+    async with sim_client(engine, timeout=WATCHDOG_S) as client:
+        replies = await asyncio.gather(
+            client.post("/v1/chat/completions", json=chat("h")),
+            client.post("/v1/chat/completions", json=chat("h", stream=True)),
+            client.post("/v1/chat/completions", json=chat("h", max_tokens=2)),
+        )
+        assert [r.status_code for r in replies] == [200, 200, 200]
+        page = (await client.get("/metrics")).text
+    load = parse_metrics(page, model="h")
+    labels = 'model_name="h",engine="0"'
+    # One slot: the second and third queue behind the first (~90 ms each), so TTFTs spread out.
+    assert load.ttft.count == 3
+    assert load.ttft.total >= 0.03 + 0.12 + 0.21 - 0.01
+    buckets = dict(load.ttft.buckets)
+    assert set(buckets) == {*SIM_TTFT_BUCKETS, math.inf}
+    assert buckets[0.02] == 0  # nothing beats the 30 ms prefill
+    assert buckets[math.inf] == 3
+    assert load.tpot.count == 3 + 3 + 1  # 4, 4 and 2 tokens: n - 1 intervals each
+    assert load.tpot.quantile(0.5) == 0.025  # a 20 ms step lands in vLLM's 25 ms bucket
+    assert sample(page, f"vllm:e2e_request_latency_seconds_count{{{labels}}}") == 3
+    assert sample(page, f'vllm:request_success_total{{{labels},finished_reason="stop"}}') == 2
+    assert sample(page, f'vllm:request_success_total{{{labels},finished_reason="length"}}') == 1
+    assert sample(page, f"vllm:prompt_tokens_total{{{labels}}}") == engine.stats.prompt_tokens
+    assert sample(page, f"vllm:generation_tokens_total{{{labels}}}") == 10
+    assert engine.stats.generation_tokens == 10
+    names = family_names(page)
+    assert {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+    } <= names
+    assert not names & {"vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds"}
+
+
+SIM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+
+
+async def test_metrics_label_every_model_name_served_or_seen() -> None:
+    """Profile names from the start (vLLM's served names), then each name requested, with
+    `name@overrides` counted under `name`; the gateway can read one model's series."""
+    engine = SimEngine({"a": SimProfile(), "b": SimProfile()}, SimProfile(output_tokens=3))
+    async with sim_client(engine) as client:
+        before = (await client.get("/metrics")).text
+        for model in ("b", "b@output_tokens=5", "other"):
+            response = await client.post("/v1/chat/completions", json=chat(model))
+            assert response.status_code == 200
+        after = (await client.get("/metrics")).text
+    assert 'model_name="a",engine="0"' in before and 'model_name="other"' not in before
+    assert parse_metrics(before).ttft.count == 0
+    assert parse_metrics(after, model="b").ttft.count == 2
+    assert parse_metrics(after, model="other").ttft.count == 1
+    assert parse_metrics(after, model="a").ttft.count == 0
+    assert parse_metrics(after).ttft.count == 3
+    assert 'model_name="b@' not in after
+
+
+async def test_metrics_count_embeddings_and_batched_prompts() -> None:
+    engine = SimEngine(default=SimProfile(output_tokens=2))
+    async with sim_client(engine) as client:
+        embedded = await client.post("/v1/embeddings", json={"model": "e", "input": ["ab", "cd"]})
+        completed = await client.post(
+            "/v1/completions", json={"model": "c", "prompt": ["one", "two"], "n": 2}
+        )
+        assert (embedded.status_code, completed.status_code) == (200, 200)
+        page = (await client.get("/metrics")).text
+    assert sample(page, 'vllm:prompt_tokens_total{model_name="e",engine="0"}') == 2
+    stop = 'vllm:request_success_total{model_name="e",engine="0",finished_reason="stop"}'
+    assert sample(page, stop) == 1
+    assert parse_metrics(page, model="e").ttft.count == 0  # no token is generated
+    assert parse_metrics(page, model="c").ttft.count == 4  # one per sequence (prompt x n)
+    assert sample(page, 'vllm:generation_tokens_total{model_name="c",engine="0"}') == 8
+
+
+@pytest.mark.parametrize(
+    ("names", "present", "absent"),
+    [
+        (
+            "legacy",
+            {"vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds"},
+            {"vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds"},
+        ),
+        (
+            "both",
+            {
+                "vllm:gpu_cache_usage_perc",
+                "vllm:time_per_output_token_seconds",
+                "vllm:kv_cache_usage_perc",
+                "vllm:inter_token_latency_seconds",
+            },
+            set(),
+        ),
+    ],
+)
+async def test_metrics_under_the_older_names(
+    names: str, present: set[str], absent: set[str]
+) -> None:
+    """`metrics_names: legacy` serves the deprecated names instead; the gateway reads them."""
+    profile = apply_overrides(
+        SimProfile(max_batch=1, tokens_per_s=100, output_tokens=3), f"metrics_names={names}"
+    )
+    engine = SimEngine(default=profile)
+    async with sim_client(engine, timeout=WATCHDOG_S) as client:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat("m", stream=True)
+        ) as response:
+            async for _ in response.aiter_lines():
+                pass
+        page = (await client.get("/metrics")).text
+    assert present <= family_names(page)
+    assert not absent & family_names(page)
+    load = parse_metrics(page)
+    assert load.kv_usage == 0.0  # read from gpu_cache_usage_perc when that is all there is
+    assert load.tpot.count == 2 and load.tpot.quantile(0.99) == 0.01
+
+
+async def test_metrics_faults() -> None:
+    """`metrics_fault`: `error` answers 500, `garbage` 200 with a page that is not Prometheus
+    text; both are set from the profile or switched on the running engine."""
+    engine = SimEngine(default=SimProfile(metrics_fault="error"))
+    async with sim_client(engine) as client:
+        failed = await client.get("/metrics")
+        engine.metrics_fault = "garbage"
+        garbage = await client.get("/metrics")
+        engine.metrics_fault = "none"
+        good = await client.get("/metrics")
+        wrong_method = await client.post("/metrics", content=b"")
+    assert failed.status_code == 500
+    assert garbage.status_code == 200
+    with pytest.raises(ValueError):
+        parse_metrics(garbage.text)
+    assert good.status_code == 200
+    assert parse_metrics(good.text).running == 0
+    assert wrong_method.status_code == 405
+
+
+def test_metrics_options_are_profile_fields() -> None:
+    assert SimProfile().metrics_names == "current"
+    assert apply_overrides(SimProfile(), "metrics_fault=garbage").metrics_fault == "garbage"
+    with pytest.raises(ValidationError):
+        SimProfile.model_validate({"metrics_names": "v0"})
+    with pytest.raises(ValueError):
+        apply_overrides(SimProfile(), "kv_tokens_per_seq=0")

@@ -306,7 +306,7 @@ class _Race:
     def _arm(self, live: _Live, now: float) -> None:
         """Set when `live` is rescued if it has no first token yet (at most one hedge)."""
         self.timer_at = self.timed = None
-        if self.ttft_end is None or not self.queue or self.hedged:
+        if self.ttft_end is None or not self.queue or self.hedged or not self.plan.ttft_rescue:
             return
         remaining = self.ttft_end - now
         if remaining <= 0:

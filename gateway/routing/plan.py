@@ -117,6 +117,7 @@ class Budget:
 class Plan:
     candidates: list[Candidate]  # in try order
     route: Route  # why the first candidate leads: primary | budget | budget_unattainable | ...
+    ttft_rescue: bool = True  # False: a late first token is not worth a failover or a hedge
 
 
 def weighted_order(
@@ -240,11 +241,14 @@ def fits(
     if budget.ttft_s is not None and call.stream:
         p99 = candidate.ttft_p99_s
         if p99 is not None:
-            alone = p99 <= budget.ttft_s
+            rescuable = successor is not None and budget.on_ttft_miss != "none"
+            cut = deadline(budget.ttft_s, successor) if rescuable else budget.ttft_s
+            # A prediction is this request's own expected TTFT, not a tail: the attempt would be
+            # cut at its deadline, so that is what it must meet.
+            alone = p99 <= (cut if candidate.predicted_ttft_s is not None else budget.ttft_s)
             rescued = False
-            if successor is not None and budget.on_ttft_miss != "none":
+            if rescuable:
                 late = candidate.ttft_quantile_s(budget.quantile)
-                cut = deadline(budget.ttft_s, successor)
                 # Rescued only if the successor, started at the deadline, can still land in time.
                 rescued = late is not None and late <= cut < budget.ttft_s
             verdicts.append(alone or rescued)
@@ -288,13 +292,24 @@ def plan(
         if verdict is None or verdict:
             if index == 0:
                 return Plan(available, route)
-            return Plan(_lead(available, index), "budget")
+            return _budget_lead(available, index, budget, call)
         cost = _cost(candidate, budget, call)
         if cost is not None and (best is None or cost < best[0]):
             best = (cost, index)
     if best is None:
         return Plan(available, route)
     return Plan(_lead(available, best[1]), "budget_unattainable")
+
+
+def _budget_lead(available: list[Candidate], index: int, budget: Budget, call: Call) -> Plan:
+    """A later candidate leads because the earlier ones cannot meet the budget. Failing over
+    back into one of those (a saturated local server, say) would not help a late first token:
+    the ones that fit follow first, and with none of them the lead gets no TTFT deadline."""
+    lead = available[index]
+    others = available[:index] + available[index + 1 :]
+    fitting = [c for c in others if fits(c, None, budget, call) is not False]
+    rest = [c for c in others if fits(c, None, budget, call) is False]
+    return Plan([lead, *fitting, *rest], "budget", ttft_rescue=bool(fitting))
 
 
 def _lead(available: list[Candidate], index: int) -> list[Candidate]:

@@ -10,13 +10,19 @@ draw comes from one seeded RNG in arrival order, so a run is reproducible; a req
 
 The engine speaks bytes in and bytes out (`SimEngine.handle`), so the in-process provider and the
 standalone server (`gateway.sim.server`) share one implementation. With every delay at zero it
-never sleeps, and a streamed token costs one bytes concatenation.
+never sleeps, and a streamed token costs one bytes concatenation (and a few counter updates).
+
+`GET /metrics` serves vLLM's Prometheus metrics, driven by the engine's real state (see
+`SimEngine.metrics_page`): the queue gauges, an approximate KV-cache usage, the TTFT, inter-token
+and end-to-end histograms with vLLM's buckets, and the token and finished-request counters, per
+model name, under the current or the older (deprecated) names; it can be made to fail.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import functools
 import hashlib
 import itertools
@@ -33,6 +39,7 @@ import orjson
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 __all__ = [
+    "METRICS_CONTENT_TYPE",
     "SimConnectionReset",
     "SimEngine",
     "SimProfile",
@@ -155,6 +162,26 @@ class SimProfile(BaseModel):
     inband_error_rate: Rate = Field(
         0.0, description="Share of requests answered 200 with an error object in the body/stream."
     )
+    # vLLM's /metrics.
+    kv_tokens_per_seq: int = Field(
+        2048,
+        ge=1,
+        description="KV-cache room per batch slot, in tokens: the simulated cache holds max_batch "
+        "x this, and `kv_cache_usage_perc` is the prompt plus generated tokens of the running "
+        "sequences over it (an approximation: vLLM counts allocated blocks).",
+    )
+    metrics_names: Literal["current", "legacy", "both"] = Field(
+        "current",
+        description="Names on `GET /metrics`: `current` (kv_cache_usage_perc, "
+        "inter_token_latency_seconds), `legacy` (the deprecated gpu_cache_usage_perc, "
+        "time_per_output_token_seconds, as vLLM before 0.10/0.11 served them) or `both`. "
+        "The server's page: read from the default profile.",
+    )
+    metrics_fault: Literal["none", "error", "garbage"] = Field(
+        "none",
+        description="`GET /metrics` fails: `error` answers 500, `garbage` 200 with a body that is "
+        "not Prometheus text. Read from the default profile.",
+    )
 
 
 class SimConnectionReset(Exception):  # noqa: N818 - the name is the public contract
@@ -218,15 +245,112 @@ class SimStats:
             self._waiters.remove(entry)
 
 
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), in seconds.
+TTFT_BUCKETS: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS: Final = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+FINISHED_REASONS: Final = ("stop", "length", "abort")
+METRICS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _Histogram:
+    """A Prometheus histogram: per-bucket counts (made cumulative when written), count, sum."""
+
+    __slots__ = ("bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        if times <= 0:
+            return
+        index = bisect.bisect_left(self.bounds, value)  # the first bound >= value: `le`
+        if index < len(self.bounds):
+            self.counts[index] += times
+        self.count += times
+        self.total += value * times
+
+    def write(self, out: list[str], name: str, labels: str) -> None:
+        running = 0
+        for bound, n in zip(self.bounds, self.counts, strict=True):
+            running += n
+            out.append(f'{name}_bucket{{{labels},le="{bound}"}} {float(running)}')
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(self.count)}')
+        out.append(f"{name}_count{{{labels}}} {float(self.count)}")
+        out.append(f"{name}_sum{{{labels}}} {self.total!r}")
+
+
+class _ModelMetrics:
+    """vLLM's series for one served model name (over every batch pool of that name)."""
+
+    __slots__ = ("e2e", "finished", "generation_tokens", "itl", "pools", "prompt_tokens", "ttft")
+
+    def __init__(self) -> None:
+        self.pools: list[_Pool] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished = dict.fromkeys(FINISHED_REASONS, 0)
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.itl = _Histogram(ITL_BUCKETS)
+        self.e2e = _Histogram(E2E_BUCKETS)
+
+    def first_token(self, arrived: float, prompt_tokens: int) -> None:
+        """A sequence's prefill is done and its first token out."""
+        self.ttft.observe(time.monotonic() - arrived)
+        self.prompt_tokens += prompt_tokens
+
+    def done(self, arrived: float, reason: str) -> None:
+        """A sequence finished: `stop`, `length` or `abort` (the client left, or a cut)."""
+        self.finished[reason] += 1
+        if reason != "abort":
+            self.e2e.observe(time.monotonic() - arrived)
+
+
 class _Pool:
-    """The batch slots of one simulated deployment, handed out first come, first served."""
+    """The batch slots of one simulated deployment, handed out first come, first served.
 
-    __slots__ = ("capacity", "running", "stats", "waiters")
+    Besides the engine-wide `stats`, it counts its own waiters and the tokens its running
+    sequences hold in the (simulated) KV cache, for `/metrics`.
+    """
 
-    def __init__(self, capacity: int, stats: SimStats) -> None:
+    __slots__ = (
+        "capacity",
+        "kv_capacity",
+        "kv_tokens",
+        "metrics",
+        "running",
+        "stats",
+        "waiters",
+        "waiting",
+    )
+
+    def __init__(
+        self,
+        capacity: int,
+        stats: SimStats,
+        metrics: _ModelMetrics | None = None,
+        kv_tokens_per_seq: int = 2048,
+    ) -> None:
         self.capacity = capacity
         self.running = 0
+        self.waiting = 0
+        self.kv_tokens = 0
+        self.kv_capacity = capacity * kv_tokens_per_seq
         self.stats = stats
+        self.metrics = metrics if metrics is not None else _ModelMetrics()
+        self.metrics.pools.append(self)
         self.waiters: deque[asyncio.Future[None]] = deque()
 
     async def acquire(self) -> None:
@@ -238,6 +362,7 @@ class _Pool:
             return
         future = asyncio.get_running_loop().create_future()
         self.waiters.append(future)
+        self.waiting += 1
         stats.waiting += 1
         stats.changed()
         try:
@@ -245,10 +370,11 @@ class _Pool:
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 self.release()  # a slot was handed over just as we were cancelled: pass it on
-            else:
+            elif future in self.waiters:  # `release` may have dropped it already (it was done)
                 self.waiters.remove(future)
             raise
         finally:
+            self.waiting -= 1
             stats.waiting -= 1
             stats.changed()
 
@@ -482,6 +608,7 @@ class _Plan:
     stall_s: float
     ttft_s: float  # prefill (with tail) plus any slow-request stall
     cut: bool
+    arrived: float  # time.monotonic() when the request was read: TTFT and e2e run from here
 
 
 def apply_overrides(profile: SimProfile, spec: str) -> SimProfile:
@@ -521,6 +648,11 @@ class SimEngine:
         self._pools: dict[tuple[str, int], _Pool] = {}
         self._resolve = functools.lru_cache(maxsize=_OVERRIDE_CACHE_SIZE)(self._resolve_uncached)
         names = list(self.profiles) or ["default"]
+        # /metrics: the served names from the start (as vLLM's --served-model-name), then every
+        # name requested. The page's names and whether it fails can be changed while running.
+        self._metrics: dict[str, _ModelMetrics] = {name: _ModelMetrics() for name in names}
+        self.metrics_names: Literal["current", "legacy", "both"] = self.default.metrics_names
+        self.metrics_fault: Literal["none", "error", "garbage"] = self.default.metrics_fault
         self._models_body = orjson.dumps(
             {
                 "object": "list",
@@ -548,13 +680,137 @@ class SimEngine:
                 return _json_reply(200, self._models_body)
             if path == "/health" and method == "GET":
                 return SimReply(200, {}, b"")
-            if path in ("/v1/models", "/health") or any(p == path for _, p in self._routes):
+            if path == "/metrics" and method == "GET":
+                return self._metrics_reply()
+            if path in ("/v1/models", "/health", "/metrics") or any(
+                p == path for _, p in self._routes
+            ):
                 raise _BadRequestError(f"method {method} not allowed on {path}", status=405)
             raise _BadRequestError(f"no such endpoint: {method} {path}", status=404)
         except _BadRequestError as exc:
             return _json_reply(
                 exc.status, _error_body(exc.message, "invalid_request_error", exc.param, exc.code)
             )
+
+    # vLLM's /metrics.
+
+    def _metrics_reply(self) -> SimReply:
+        if self.metrics_fault == "error":
+            body = b"simulated failure of the metrics exporter\n"
+            return SimReply(500, {"content-type": "text/plain; charset=utf-8"}, body)
+        if self.metrics_fault == "garbage":
+            body = b"<html><body><h1>502 Bad Gateway</h1></body></html>\n"
+            return SimReply(200, {"content-type": METRICS_CONTENT_TYPE}, body)
+        return SimReply(200, {"content-type": METRICS_CONTENT_TYPE}, self.metrics_page().encode())
+
+    def metrics_page(self) -> str:
+        """vLLM's Prometheus text for every model name served or requested so far.
+
+        Labelled `model_name` and `engine="0"`, as one vLLM engine labels them. `running` holds
+        batch slots, `waiting` queues for one; `kv_cache_usage_perc` is the prompt plus generated
+        tokens of the running sequences over `max_batch x kv_tokens_per_seq` (capped at 1). TTFT
+        runs from the request's arrival to its first token, per sequence; the inter-token
+        histogram takes one decode step per token after the first; e2e, arrival to the last token
+        of a finished (not aborted) sequence. `request_success_total{finished_reason}` counts
+        `stop`, `length` and `abort` (a client that left, a cut stream); prompt tokens are
+        counted at prefill, generated ones as they are made.
+        """
+        current = self.metrics_names in ("current", "both")
+        legacy = self.metrics_names in ("legacy", "both")
+        series = [
+            (f'model_name="{_label_value(name)}",engine="0"', m)
+            for name, m in self._metrics.items()
+        ]
+        out: list[str] = []
+
+        def head(name: str, kind: str, text: str) -> None:
+            out.append(f"# HELP {name} {text}")
+            out.append(f"# TYPE {name} {kind}")
+
+        def gauges(name: str, text: str, value: Callable[[_ModelMetrics], float]) -> None:
+            head(name, "gauge", text)
+            out.extend(f"{name}{{{labels}}} {float(value(m))!r}" for labels, m in series)
+
+        def kv_usage(m: _ModelMetrics) -> float:
+            capacity = sum(p.kv_capacity for p in m.pools)
+            return min(1.0, sum(p.kv_tokens for p in m.pools) / capacity) if capacity else 0.0
+
+        gauges(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            lambda m: sum(p.running for p in m.pools),
+        )
+        gauges(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            lambda m: sum(p.waiting for p in m.pools),
+        )
+        if legacy:
+            gauges(
+                "vllm:gpu_cache_usage_perc",
+                "GPU KV-cache usage. 1 means 100 percent usage."
+                "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+                kv_usage,
+            )
+        if current:
+            gauges(
+                "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage
+            )
+        for name, text, attr in (
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+            (
+                "vllm:generation_tokens",
+                "Number of generation tokens processed.",
+                "generation_tokens",
+            ),
+        ):
+            head(name, "counter", text)
+            out.extend(
+                f"{name}_total{{{labels}}} {float(getattr(m, attr))!r}" for labels, m in series
+            )
+        head("vllm:request_success", "counter", "Count of successfully processed requests.")
+        for labels, m in series:
+            out.extend(
+                f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {float(n)!r}'
+                for reason, n in m.finished.items()
+            )
+        histograms: list[tuple[str, str, Callable[[_ModelMetrics], _Histogram]]] = [
+            (
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                lambda m: m.ttft,
+            ),
+        ]
+        if legacy:
+            histograms.append(
+                (
+                    "vllm:time_per_output_token_seconds",
+                    "Histogram of time per output token in seconds."
+                    "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+                    lambda m: m.itl,
+                )
+            )
+        if current:
+            histograms.append(
+                (
+                    "vllm:inter_token_latency_seconds",
+                    "Histogram of inter-token latency in seconds.",
+                    lambda m: m.itl,
+                )
+            )
+        histograms.append(
+            (
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                lambda m: m.e2e,
+            )
+        )
+        for name, text, pick in histograms:
+            head(name, "histogram", text)
+            for labels, m in series:
+                pick(m).write(out, name, labels)
+        out.append("")
+        return "\n".join(out)
 
     # Parsing and resolution.
 
@@ -588,7 +844,12 @@ class SimEngine:
         pool_key = (name, profile.max_batch)  # one simulated deployment per name and batch size
         pool = self._pools.get(pool_key)
         if pool is None:
-            pool = self._pools[pool_key] = _Pool(profile.max_batch, self.stats)
+            metrics = self._metrics.get(name)
+            if metrics is None:
+                metrics = self._metrics[name] = _ModelMetrics()
+            pool = self._pools[pool_key] = _Pool(
+                profile.max_batch, self.stats, metrics, profile.kv_tokens_per_seq
+            )
         return _Target(
             profile=profile,
             pool=pool,
@@ -664,7 +925,8 @@ class SimEngine:
         else:
             stall_s, cut = request.stall_s, request.cut
         offset = words.randrange(len(_TOKENS))
-        return _Plan(target, prompt_tokens, n, finish, offset, stall_s, ttft_s, cut)
+        arrived = time.monotonic() if request is None else request.arrived
+        return _Plan(target, prompt_tokens, n, finish, offset, stall_s, ttft_s, cut, arrived)
 
     def _inband(self, profile: SimProfile) -> bytes | None:
         if not self._hit(profile.inband_error_rate):
@@ -871,16 +1133,27 @@ class SimEngine:
         self, pool: _Pool, stall_s: float, work_s: float, cut: bool, *, prompt_tokens: int
     ) -> None:
         """A non-generating request: stall, queue, hold a slot for `work_s`, then finish."""
-        stats = self.stats
+        stats, metrics = self.stats, pool.metrics
+        arrived = time.monotonic()
         try:
             if stall_s:
                 await asyncio.sleep(stall_s)
-            await pool.acquire()
+            try:
+                await pool.acquire()
+            except asyncio.CancelledError:
+                metrics.done(arrived, "abort")
+                raise
+            pool.kv_tokens += prompt_tokens
+            reason = "abort"
             try:
                 if work_s:
                     await asyncio.sleep(work_s)
+                metrics.prompt_tokens += prompt_tokens
+                reason = "stop"
             finally:
                 pool.release()
+                pool.kv_tokens -= prompt_tokens
+                metrics.done(arrived, reason)
         except asyncio.CancelledError:
             stats.cancelled += 1
             stats.changed()
@@ -920,31 +1193,50 @@ class SimEngine:
         self._finish(plans[0].cut)
 
     async def _sequence(self, plan: _Plan) -> None:
-        """One sequence: a batch slot, held through prefill and decode."""
+        """One sequence: a batch slot, held through prefill and decode (sending nothing)."""
         target = plan.target
-        pool = target.pool
-        await pool.acquire()
+        pool, metrics = target.pool, target.pool.metrics
+        try:
+            await pool.acquire()
+        except asyncio.CancelledError:
+            metrics.done(plan.arrived, "abort")
+            raise
+        held = plan.prompt_tokens  # in the simulated KV cache
+        pool.kv_tokens += held
+        reason = "abort"
         try:
             if plan.ttft_s:
                 await asyncio.sleep(plan.ttft_s)
-            if target.step_s and plan.n > 1:
-                await self._decode(pool, target, plan.n - 1)
+            metrics.first_token(plan.arrived, plan.prompt_tokens)
+            pool.kv_tokens += 1
+            held += 1
+            metrics.generation_tokens += 1
+            steps, step_s = plan.n - 1, target.step_s
+            slowdown = target.profile.batch_slowdown
+            if steps > 0 and step_s and slowdown:
+                loop = asyncio.get_running_loop()
+                due = loop.time()
+                for _ in range(steps):  # the batch may fill or drain between any two steps
+                    step = pool.step_s(step_s, slowdown)
+                    due += step
+                    if (delay := due - loop.time()) > 0:
+                        await asyncio.sleep(delay)
+                    metrics.itl.observe(step)
+                    pool.kv_tokens += 1
+                    held += 1
+                    metrics.generation_tokens += 1
+            elif steps > 0:  # constant step time: one sleep
+                if step_s:
+                    await asyncio.sleep(steps * step_s)
+                metrics.itl.observe(step_s, steps)
+                pool.kv_tokens += steps
+                held += steps
+                metrics.generation_tokens += steps
+            reason = plan.finish_reason
         finally:
             pool.release()
-
-    @staticmethod
-    async def _decode(pool: _Pool, target: _Target, steps: int) -> None:
-        """Sleep through `steps` decode steps without sending anything."""
-        slowdown = target.profile.batch_slowdown
-        if not slowdown:  # constant step time: one sleep
-            await asyncio.sleep(steps * target.step_s)
-            return
-        loop = asyncio.get_running_loop()
-        due = loop.time()
-        for _ in range(steps):  # the batch may fill or drain between any two steps
-            due += pool.step_s(target.step_s, slowdown)
-            if (delay := due - loop.time()) > 0:
-                await asyncio.sleep(delay)
+            pool.kv_tokens -= held
+            metrics.done(plan.arrived, reason)
 
     async def _token_stream(
         self,
@@ -958,33 +1250,44 @@ class SimEngine:
     ) -> AsyncGenerator[bytes, None]:
         stats, target = self.stats, plan.target
         pool = target.pool
+        metrics = pool.metrics
         stats.open_streams += 1
         stats.changed()
-        acquired = done = cut = False
-        sent = 0
+        queued = acquired = done = cut = False
+        sent = held = 0  # tokens sent; tokens held in the simulated KV cache
+        step_s = target.step_s
+        slowdown = target.profile.batch_slowdown if step_s else 0.0
         try:
             if plan.stall_s:
                 await asyncio.sleep(plan.stall_s)
+            queued = True
             await pool.acquire()
             acquired = True
+            held = plan.prompt_tokens
+            pool.kv_tokens += held
             if plan.ttft_s:
                 await asyncio.sleep(plan.ttft_s)
+            metrics.first_token(plan.arrived, plan.prompt_tokens)
             if first is not None:
                 yield first
             n, offset, words = plan.n, plan.offset, len(token_tails)
             limit = min(n, max(1, n // 2)) if plan.cut else n
-            step_s = target.step_s
             if step_s:
                 loop = asyncio.get_running_loop()
-                slowdown = target.profile.batch_slowdown
                 due = loop.time()
             for i in range(limit):
                 if step_s and i:
                     # A virtual clock: a slow reader gets a burst, not a slower model.
-                    due += pool.step_s(step_s, slowdown)
+                    step = pool.step_s(step_s, slowdown)
+                    due += step
+                    if slowdown:
+                        metrics.itl.observe(step)
                     if (delay := due - loop.time()) > 0:
                         await asyncio.sleep(delay)
                 sent = i + 1
+                pool.kv_tokens += 1
+                held += 1
+                metrics.generation_tokens += 1
                 yield token_head + token_tails[(offset + i) % words]
             if plan.cut:
                 cut = True
@@ -997,6 +1300,11 @@ class SimEngine:
         finally:
             if acquired:
                 pool.release()
+                pool.kv_tokens -= held
+            if not slowdown and sent > 1:  # constant step time: every interval was one step
+                metrics.itl.observe(step_s, sent - 1)
+            if queued:
+                metrics.done(plan.arrived, plan.finish_reason if done else "abort")
             stats.open_streams -= 1
             stats.generation_tokens += sent
             if done:
@@ -1018,6 +1326,11 @@ class SimEngine:
         finally:
             self.stats.open_streams -= 1
             self.stats.changed()
+
+
+def _label_value(value: str) -> str:
+    """A Prometheus label value, escaped (backslash, double quote, newline)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
