@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from gateway.config import BulkSpec
 from gateway.errors import OverloadedError
 
-GROW_EVERY_S = 0.1  # additive increase: at most one step per this long
+GROW_EVERY_S = 1.0  # additive increase: at most one step per this long
+SETTLE_S = 2.0  # and none this soon after a cut: the queue it left must drain first
 QUIET_S = 1.0  # no interactive first token for this long: the deployment is idle
 
 
@@ -69,7 +70,11 @@ class BulkGate:
             self._grow(lane, now)
 
     def _grow(self, lane: _Lane, now: float) -> None:
-        if lane.waiters and now - lane.last_grow >= GROW_EVERY_S:
+        if (
+            lane.waiters
+            and now - lane.last_grow >= GROW_EVERY_S
+            and now - lane.last_cut >= SETTLE_S
+        ):
             lane.limit = min(float(self._spec.max_concurrency), lane.limit + 1)
             lane.last_grow = now
             self._wake(lane)
