@@ -62,16 +62,13 @@ import datetime
 import functools
 import json
 import os
-import platform
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -91,8 +88,21 @@ from gateway.bench import (
 )
 from gateway.sketch import nearest_rank
 
-ROOT: Final = Path(__file__).resolve().parent.parent
-RESULTS_DIR: Final = ROOT / "bench" / "results"
+try:  # `python -m bench.bulk` or `python bench/bulk.py`
+    from bench._harness import (
+        RESULTS_DIR,
+        environment,
+        sigterm_as_interrupt,
+        write_results,
+    )
+except ImportError:
+    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
+        RESULTS_DIR,
+        environment,
+        sigterm_as_interrupt,
+        write_results,
+    )
+
 CHILD_FLAG: Final = "--load-child"
 
 DEPLOYMENT: Final = "gpu/shared"
@@ -686,36 +696,6 @@ def parse_args(argv: Sequence[str]) -> Options:
     )
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def environment() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-    }
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        info["git"] = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        ).stdout.strip()
-    return info
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == [CHILD_FLAG]:
@@ -786,13 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "part_b": b,
         "targets": checks,
     }
-    opts.json_path.parent.mkdir(parents=True, exist_ok=True)
-    opts.json_path.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"\nresults: {opts.json_path}")
-    if opts.keep_logs:
-        print(f"logs: {logs}")
-    else:
-        shutil.rmtree(logs, ignore_errors=True)
+    write_results(opts.json_path, document, logs, opts.keep_logs)
     return 0 if all(check["pass"] for check in checks) else 1
 
 

@@ -39,30 +39,30 @@ from typing import Any
 import redis
 
 try:  # `python -m bench.latency_store` or `python bench/latency_store.py`
+    from bench._harness import free_port, sigterm_as_interrupt, wait_ready
     from bench._load import LoadSpec, run_load
     from bench.overhead import (
         MODEL,
         ROOT,
         VENV_BIN,
         Stack,
-        free_port,
         pinning,
         request_body,
+    )
+except ImportError:
+    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
+        free_port,
         sigterm_as_interrupt,
         wait_ready,
     )
-except ImportError:
     from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
     from overhead import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         MODEL,
         ROOT,
         VENV_BIN,
         Stack,
-        free_port,
         pinning,
         request_body,
-        sigterm_as_interrupt,
-        wait_ready,
     )
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "latency_store.json"

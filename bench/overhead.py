@@ -50,28 +50,31 @@ PASS/FAIL; the results go to `bench/results/overhead.json` (or `--json PATH`). T
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 try:  # `python -m bench.overhead` or `python bench/overhead.py`
+    from bench._harness import Stack as _Stack
+    from bench._harness import free_port, serve, sigterm_as_interrupt
     from bench._load import LoadSpec, run_load
 except ImportError:
+    from _harness import Stack as _Stack  # type: ignore[no-redef,unused-ignore,import-not-found]
+    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
+        free_port,
+        serve,
+        sigterm_as_interrupt,
+    )
     from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +83,6 @@ DEFAULT_JSON = ROOT / "bench" / "results" / "overhead.json"
 MODEL = "bench"  # answers at once: all of a stream's events are written back to back
 PACED_MODEL = "bench-paced"  # decodes at --paced-tps: one network read per event, as in production
 PROMPT = "Explain in one sentence why tail latency matters for interactive LLM applications."
-READY_TIMEOUT_S = 30.0
 # Above these, latency percentiles say more about the machine than about the gateway.
 NOISY_STEAL_PERCENT = 2.0
 NOISY_LAG_MS = 2.0
@@ -110,76 +112,13 @@ class Options:
 
 
 @dataclass(slots=True)
-class Stack:
-    """The processes of one run, and where their logs go."""
+class Stack(_Stack):
+    """The processes of one run (roles: gateway, reference, upstream, load), and run notes."""
 
-    logs: Path
-    pin: dict[str, list[str]]  # role -> taskset prefix (gateway, reference, upstream, load)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    roles: dict[int, str] = field(default_factory=dict)  # pid -> role
     notes: list[str] = field(default_factory=list)
-
-    def start(self, role: str, command: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
-        log = open(self.logs / log_name, "wb")  # noqa: SIM115 - the child owns it until the end
-        try:
-            child = subprocess.Popen(
-                [*self.pin[role], *command],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=ROOT,
-                start_new_session=True,  # Ctrl-C reaches us; we stop them in order
-            )
-        finally:
-            log.close()
-        self.procs.append(child)
-        self.roles[child.pid] = role
-        return child
-
-    def stop_all(self) -> None:
-        for child in reversed(self.procs):
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for child in reversed(self.procs):
-            try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-        self.procs.clear()
 
 
 # --- helpers -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def wait_ready(url: str, child: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited ({child.returncode}):\n{tail(log)}")
-        with (
-            contextlib.suppress(OSError, urllib.error.URLError),
-            urllib.request.urlopen(url, timeout=1) as response,
-        ):
-            if response.status == 200:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"{url}: not ready after {READY_TIMEOUT_S:.0f} s:\n{tail(log)}")
-
-
-def tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def memory_kib(pid: int) -> dict[str, int]:
@@ -216,18 +155,6 @@ def request_body(stream: bool, model: str = MODEL) -> str:
     return json.dumps(body, separators=(",", ":"))
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 # --- the run -------------------------------------------------------------------------------------
 
 
@@ -248,9 +175,7 @@ def start_upstream(stack: Stack, port: int, opts: Options) -> subprocess.Popen[b
         "--profile",
         str(profiles),
     ]
-    child = stack.start("upstream", command, "upstream.log")
-    wait_ready(f"http://127.0.0.1:{port}/health", child, stack.logs / "upstream.log")
-    return child
+    return stack.start_ready("upstream", command, "upstream.log", f"http://127.0.0.1:{port}/health")
 
 
 def start_gateway(stack: Stack, port: int, upstream_port: int) -> subprocess.Popen[bytes]:
@@ -264,27 +189,14 @@ def start_gateway(stack: Stack, port: int, upstream_port: int) -> subprocess.Pop
             for name in (MODEL, PACED_MODEL)
         )
     )
-    command = [
-        str(VENV_BIN / "tailguard"),
-        "serve",
-        "--config",
-        str(config),
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    child = stack.start("gateway", command, "gateway.log")
-    wait_ready(f"http://127.0.0.1:{port}/healthz", child, stack.logs / "gateway.log")
-    return child
+    return serve(stack, port, config)
 
 
 def start_reference(stack: Stack, port: int, upstream_port: int) -> subprocess.Popen[bytes]:
     script = str(Path(__file__).with_name("_refproxy.py"))
     upstream = f"http://127.0.0.1:{upstream_port}/v1"
-    child = stack.start("reference", [sys.executable, script, str(port), upstream], "ref.log")
-    wait_ready(f"http://127.0.0.1:{port}/healthz", child, stack.logs / "ref.log")
-    return child
+    command = [sys.executable, script, str(port), upstream]
+    return stack.start_ready("reference", command, "ref.log", f"http://127.0.0.1:{port}/healthz")
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,34 +39,54 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import json
-import os
-import platform
 import random
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-import orjson
 
 from gateway.providers.vllm import parse_metrics
-from gateway.sketch import nearest_rank
 
-ROOT: Final = Path(__file__).resolve().parent.parent
-VENV_BIN: Final = Path(sys.executable).parent
-RESULTS_DIR: Final = ROOT / "bench" / "results"
+try:  # `python -m bench.spill` or `python bench/spill.py`
+    from bench._harness import (
+        RESULTS_DIR,
+        VENV_BIN,
+        SSEReader,
+        Stack,
+        environment,
+        free_port,
+        parse_modes,
+        percentiles_ms,
+        pin_client,
+        sigterm_as_interrupt,
+        start_gateway,
+        stream_chat_body,
+        write_results,
+    )
+except ImportError:
+    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
+        RESULTS_DIR,
+        VENV_BIN,
+        SSEReader,
+        Stack,
+        environment,
+        free_port,
+        parse_modes,
+        percentiles_ms,
+        pin_client,
+        sigterm_as_interrupt,
+        start_gateway,
+        stream_chat_body,
+        write_results,
+    )
+
 MODES: Final = ("round_robin", "tailguard")
 STEPS_PCT: Final = (20, 40, 60, 80, 100, 120, 150, 200)
 WARMUP_PCT: Final = 20
@@ -103,7 +123,6 @@ HOSTED_PROFILE: Final[dict[str, Any]] = {
     "output_tokens": MAX_TOKENS,
 }
 
-READY_TIMEOUT_S: Final = 30.0
 REQUEST_TIMEOUT_S: Final = 120.0
 KEEPALIVE_S: Final = 2.0  # below uvicorn's 5 s idle timeout
 QUEUE_SAMPLE_S: Final = 0.25
@@ -123,95 +142,6 @@ def local_capacity_rps(profile: dict[str, Any] = LOCAL_PROFILE) -> float:
 # --- processes -----------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Stack:
-    """The processes of one mode's run, and where their logs go."""
-
-    logs: Path
-    pin: dict[str, list[str]]
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, role: str, command: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
-        log = open(self.logs / log_name, "wb")  # noqa: SIM115 - the child owns it until the end
-        try:
-            child = subprocess.Popen(
-                [*self.pin.get(role, []), *command],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=ROOT,
-                start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
-            )
-        finally:
-            log.close()
-        self.procs.append(child)
-        return child
-
-    def stop_all(self) -> None:
-        for child in reversed(self.procs):
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for child in reversed(self.procs):
-            try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-        self.procs.clear()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def log_tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def wait_ready(url: str, child: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited ({child.returncode}):\n{log_tail(log)}")
-        with (
-            contextlib.suppress(OSError, urllib.error.URLError),
-            urllib.request.urlopen(url, timeout=1) as response,
-        ):
-            if response.status == 200:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"{url}: not ready after {READY_TIMEOUT_S:.0f} s:\n{log_tail(log)}")
-
-
-def pinning() -> tuple[dict[str, list[str]], str | None]:
-    """The gateway on CPU 0; the upstreams (mostly asleep) and this client on CPU 1."""
-    taskset = shutil.which("taskset")
-    if taskset is None:
-        return {}, "taskset not found: running unpinned"
-    if not {0, 1} <= os.sched_getaffinity(0):
-        return {}, f"CPUs 0 and 1 are not both available ({sorted(os.sched_getaffinity(0))})"
-    return {"gateway": [taskset, "-c", "0"], "upstream": [taskset, "-c", "1"]}, None
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def start_sim(
     stack: Stack, name: str, port: int, profile: dict[str, Any], seed: int
 ) -> subprocess.Popen[bytes]:
@@ -219,9 +149,7 @@ def start_sim(
     command = [str(VENV_BIN / "tailguard"), "sim", "--port", str(port), "--seed", str(seed)]
     for key, value in profile.items():
         command += ["--set", f"{key}={value}"]
-    child = stack.start("upstream", command, f"{name}.log")
-    wait_ready(f"http://127.0.0.1:{port}/health", child, stack.logs / f"{name}.log")
-    return child
+    return stack.start_ready("upstream", command, f"{name}.log", f"http://127.0.0.1:{port}/health")
 
 
 def gateway_config(mode: str, port: int, local_port: int, hosted_port: int) -> dict[str, Any]:
@@ -270,16 +198,6 @@ def gateway_config(mode: str, port: int, local_port: int, hosted_port: int) -> d
     }
 
 
-def start_gateway(stack: Stack, port: int, config: dict[str, Any]) -> subprocess.Popen[bytes]:
-    path = stack.logs / "gateway.yaml"
-    path.write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML
-    command = [str(VENV_BIN / "tailguard"), "serve", "--config", str(path)]
-    command += ["--port", str(port), "--log-level", "warning"]
-    child = stack.start("gateway", command, "gateway.log")
-    wait_ready(f"http://127.0.0.1:{port}/healthz", child, stack.logs / "gateway.log")
-    return child
-
-
 # --- the client ----------------------------------------------------------------------------------
 
 
@@ -296,71 +214,13 @@ class Outcome:
     error: str | None = None
 
 
-class SSEReader:
-    """Just enough SSE to find the first content event, an error event and `[DONE]`."""
-
-    __slots__ = ("buffer", "done", "error", "t_first")
-
-    def __init__(self) -> None:
-        self.buffer = b""
-        self.t_first: float | None = None
-        self.done = False
-        self.error: str | None = None
-
-    def feed(self, data: bytes, now: float) -> None:
-        buffer = (self.buffer + data if self.buffer else data).replace(b"\r\n", b"\n")
-        start = 0
-        while (end := buffer.find(b"\n\n", start)) >= 0:
-            self._event(buffer[start:end], now)
-            start = end + 2
-        self.buffer = buffer[start:]
-
-    def _event(self, event: bytes, now: float) -> None:
-        lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-        if not lines:
-            return
-        payload = b"\n".join(lines)
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        if self.t_first is not None and b'"error"' not in payload:
-            return  # only the first content event and errors matter
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            self.error = f"bad event {payload[:80]!r}"
-            return
-        if not isinstance(obj, dict):
-            self.error = f"bad event {payload[:80]!r}"
-        elif "error" in obj:
-            self.error = f"error event {payload[:200]!r}"
-        elif self.t_first is None:
-            for choice in obj.get("choices") or ():
-                delta = choice.get("delta") if isinstance(choice, dict) else None
-                content = delta.get("content") if isinstance(delta, dict) else None
-                if isinstance(content, str) and content:
-                    self.t_first = now
-                    return
-
-
-def request_body() -> bytes:
-    return orjson.dumps(
-        {
-            "model": MODEL,
-            "stream": True,
-            "max_tokens": MAX_TOKENS,
-            "messages": [{"role": "user", "content": PROMPT}],
-        }
-    )
-
-
 async def one_request(
     session: aiohttp.ClientSession, url: str, body: bytes, step: int, due: float
 ) -> Outcome:
     started = time.perf_counter()
     origin = min(due, started)
     outcome = Outcome(step=step, lag_s=started - due)
-    reader = SSEReader()
+    reader = SSEReader(errors_only_after_first=True)
     try:
         async with session.post(
             url, data=body, headers={"content-type": "application/json"}
@@ -425,7 +285,7 @@ async def drive(
     gateway_url: str, local_metrics_url: str, arrivals: Sequence[tuple[float, int]], phases: int
 ) -> tuple[list[Outcome], LocalView]:
     url = gateway_url + "/v1/chat/completions"
-    body = request_body()
+    body = stream_chat_body(MODEL, MAX_TOKENS, PROMPT)
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     view = LocalView(waiting=[[] for _ in range(phases)], aborts=[0.0] * phases)
@@ -473,20 +333,6 @@ class Options:
     seed: int
     json_path: Path
     keep_logs: bool
-
-
-def percentiles_ms(values_s: Sequence[float], missing: int = 0) -> dict[str, float | None]:
-    """count, p50/p90/p99 (nearest rank) and max in ms; `missing` values rank above all."""
-    ordered = sorted(v * 1000.0 for v in values_s)
-    n = len(ordered) + missing
-    result: dict[str, float | None] = {"count": n, "missing": missing}
-    if not n:
-        return result
-    for label, q in (("p50", 0.50), ("p90", 0.90), ("p99", 0.99)):
-        rank = nearest_rank(q, n)
-        result[label] = ordered[rank - 1] if rank <= len(ordered) else None
-    result["max"] = None if missing else ordered[-1]
-    return result
 
 
 def run_mode(mode: str, opts: Options, pin: dict[str, list[str]], logs: Path) -> dict[str, Any]:
@@ -660,24 +506,6 @@ def report(opts: Options, results: dict[str, dict[str, Any]]) -> list[dict[str, 
     return verdicts
 
 
-def environment() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-    }
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        info["git"] = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        ).stdout.strip()
-    return info
-
-
 # --- entry point ---------------------------------------------------------------------------------
 
 
@@ -700,9 +528,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     )
     parser.add_argument("--keep-logs", action="store_true", help="keep the configs and logs")
     args = parser.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
-        parser.error(f"--modes: a comma-separated subset of {', '.join(MODES)}")
+    modes = parse_modes(parser, args.modes, MODES)
     try:
         steps = tuple(int(p) for p in args.steps.split(","))
     except ValueError:
@@ -727,11 +553,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
-    pin, warning = pinning()
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
-    elif hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {1})  # the client shares CPU 1 with the upstreams
+    pin, warning = pin_client()
     logs = Path(tempfile.mkdtemp(prefix="tailguard-spill-"))
     results: dict[str, dict[str, Any]] = {}
     total_s = opts.warmup_s + opts.step_s * len(opts.steps_pct)
@@ -772,13 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": results,
         "targets": {"tailguard": verdicts} if verdicts else {},
     }
-    opts.json_path.parent.mkdir(parents=True, exist_ok=True)
-    opts.json_path.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"\nresults: {opts.json_path}")
-    if opts.keep_logs:
-        print(f"logs: {logs}")
-    else:
-        shutil.rmtree(logs, ignore_errors=True)
+    write_results(opts.json_path, document, logs, opts.keep_logs)
     return 0 if all(v["pass"] for v in verdicts) else 1
 
 

@@ -40,12 +40,7 @@ import asyncio
 import contextlib
 import datetime
 import json
-import os
-import platform
 import random
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,8 +48,8 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -63,12 +58,40 @@ import orjson
 
 from gateway.sim.engine import SimEngine, SimProfile
 from gateway.sim.server import create_sim_app
-from gateway.sketch import nearest_rank
 
-ROOT: Final = Path(__file__).resolve().parent.parent
-VENV_BIN: Final = Path(sys.executable).parent
-RESULTS_DIR: Final = ROOT / "bench" / "results"
+try:  # `python -m bench.tail` or `python bench/tail.py`
+    from bench._harness import (
+        RESULTS_DIR,
+        SSEReader,
+        Stack,
+        environment,
+        free_port,
+        parse_modes,
+        pin_client,
+        sigterm_as_interrupt,
+        start_gateway,
+        stream_chat_body,
+        write_results,
+    )
+    from bench._harness import percentiles_ms as _percentiles_ms
+except ImportError:
+    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
+        RESULTS_DIR,
+        SSEReader,
+        Stack,
+        environment,
+        free_port,
+        parse_modes,
+        pin_client,
+        sigterm_as_interrupt,
+        start_gateway,
+        stream_chat_body,
+        write_results,
+    )
+    from _harness import percentiles_ms as _percentiles_ms  # type: ignore[no-redef,unused-ignore,import-not-found]
+
 MODES: Final = ("none", "failover", "hedge")
+TAIL_QUANTILES: Final = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999))
 
 MODEL: Final = "chat"
 FALLBACK_MODEL: Final = "chat-fallback"
@@ -102,7 +125,6 @@ SIM_FLAG: Final = "--serve-sim"  # argv[1] of the upstream processes this script
 STATS_PATH: Final = "/_bench/stats"
 REQUEST_ID_PREFIX: Final = "tail-"
 PHASE_TAGS: Final = {"w": "warmup", "m": "measure"}
-READY_TIMEOUT_S: Final = 30.0
 FALLBACK_PRIOR_TTFT_MS: Final = 330  # what an operator would write for a ~300 ms fallback
 REQUEST_TIMEOUT_S: Final = 60.0  # well past the total budget: a hung request shows as an error
 # uvicorn closes idle connections after 5 s; reusing one as it closes fails for no reason of ours.
@@ -193,103 +215,10 @@ def serve_sim(argv: Sequence[str]) -> int:
 # --- processes -----------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Stack:
-    """The processes of one mode's run, and where their logs go."""
-
-    logs: Path
-    pin: dict[str, list[str]]  # role -> taskset prefix
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, role: str, command: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
-        log = open(self.logs / log_name, "wb")  # noqa: SIM115 - the child owns it until the end
-        try:
-            child = subprocess.Popen(
-                [*self.pin.get(role, []), *command],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=ROOT,
-                start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
-            )
-        finally:
-            log.close()
-        self.procs.append(child)
-        return child
-
-    def stop_all(self) -> None:
-        for child in reversed(self.procs):
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for child in reversed(self.procs):
-            try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-        self.procs.clear()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def log_tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def wait_ready(url: str, child: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited ({child.returncode}):\n{log_tail(log)}")
-        with (
-            contextlib.suppress(OSError, urllib.error.URLError),
-            urllib.request.urlopen(url, timeout=1) as response,
-        ):
-            if response.status == 200:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"{url}: not ready after {READY_TIMEOUT_S:.0f} s:\n{log_tail(log)}")
-
-
 def get_json(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=5) as response:
         data: dict[str, Any] = json.loads(response.read())
     return data
-
-
-def pinning() -> tuple[dict[str, list[str]], str | None]:
-    """taskset prefixes per role, and a warning when the processes cannot be pinned.
-
-    The gateway gets CPU 0 to itself; the upstreams (mostly asleep) and this client share CPU 1,
-    so the client's parsing never delays the gateway it measures.
-    """
-    taskset = shutil.which("taskset")
-    if taskset is None:
-        return {}, "taskset not found: running unpinned"
-    if not {0, 1} <= os.sched_getaffinity(0):
-        return {}, f"CPUs 0 and 1 are not both available ({sorted(os.sched_getaffinity(0))})"
-    return {"gateway": [taskset, "-c", "0"], "upstream": [taskset, "-c", "1"]}, None
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def start_sim(
@@ -297,9 +226,7 @@ def start_sim(
 ) -> subprocess.Popen[bytes]:
     command = [sys.executable, str(Path(__file__).resolve()), SIM_FLAG, "--port", str(port)]
     command += ["--profile", json.dumps(profile), "--seed", str(seed)]
-    child = stack.start("upstream", command, f"{name}.log")
-    wait_ready(f"http://127.0.0.1:{port}/health", child, stack.logs / f"{name}.log")
-    return child
+    return stack.start_ready("upstream", command, f"{name}.log", f"http://127.0.0.1:{port}/health")
 
 
 def gateway_config(mode: str, port: int, primary_port: int, fallback_port: int) -> dict[str, Any]:
@@ -347,16 +274,6 @@ def gateway_config(mode: str, port: int, primary_port: int, fallback_port: int) 
     }
 
 
-def start_gateway(stack: Stack, port: int, config: dict[str, Any]) -> subprocess.Popen[bytes]:
-    path = stack.logs / "gateway.yaml"
-    path.write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML
-    command = [str(VENV_BIN / "tailguard"), "serve", "--config", str(path)]
-    command += ["--port", str(port), "--log-level", "warning"]
-    child = stack.start("gateway", command, "gateway.log")
-    wait_ready(f"http://127.0.0.1:{port}/healthz", child, stack.logs / "gateway.log")
-    return child
-
-
 # --- the client ----------------------------------------------------------------------------------
 
 
@@ -373,62 +290,6 @@ class Outcome:
     route: str | None = None
     attempts: int | None = None
     error: str | None = None
-
-
-class SSEReader:
-    """Just enough SSE to find the first content event, an error event and `[DONE]`."""
-
-    __slots__ = ("buffer", "done", "error", "t_first")
-
-    def __init__(self) -> None:
-        self.buffer = b""
-        self.t_first: float | None = None
-        self.done = False
-        self.error: str | None = None
-
-    def feed(self, data: bytes, now: float) -> None:
-        buffer = (self.buffer + data if self.buffer else data).replace(b"\r\n", b"\n")
-        start = 0
-        while (end := buffer.find(b"\n\n", start)) >= 0:
-            self._event(buffer[start:end], now)
-            start = end + 2
-        self.buffer = buffer[start:]
-
-    def _event(self, event: bytes, now: float) -> None:
-        lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-        if not lines:
-            return  # comments, keep-alives
-        payload = b"\n".join(lines)
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            self.error = f"bad event {payload[:80]!r}"
-            return
-        if not isinstance(obj, dict):
-            self.error = f"bad event {payload[:80]!r}"
-        elif "error" in obj:
-            self.error = f"error event {payload[:200]!r}"
-        elif self.t_first is None:
-            for choice in obj.get("choices") or ():
-                delta = choice.get("delta") if isinstance(choice, dict) else None
-                content = delta.get("content") if isinstance(delta, dict) else None
-                if isinstance(content, str) and content:
-                    self.t_first = now
-                    return
-
-
-def request_body() -> bytes:
-    return orjson.dumps(
-        {
-            "model": MODEL,
-            "stream": True,
-            "max_tokens": MAX_TOKENS,
-            "messages": [{"role": "user", "content": PROMPT}],
-        }
-    )
 
 
 async def one_request(
@@ -495,7 +356,7 @@ async def drive(
     """Send every request at its arrival time; return the outcomes and the upstream counters
     read when the warm-up ended (used only if the gateway does not forward `x-request-id`)."""
     url = gateway_url + "/v1/chat/completions"
-    body = request_body()
+    body = stream_chat_body(MODEL, MAX_TOKENS, PROMPT)
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     boundary: dict[str, Any] = {}
@@ -548,23 +409,8 @@ class Options:
 
 
 def percentiles_ms(values_s: Sequence[float], missing: int = 0) -> dict[str, float | None]:
-    """count, mean, p50/p90/p99/p99.9 (nearest rank) and max, in ms.
-
-    `missing` values rank above every measured one: a request that never got a first token
-    missed any budget, and leaving it out would flatter the mode that fails the most. A
-    percentile that lands on one is None.
-    """
-    ordered = sorted(v * 1000.0 for v in values_s)
-    n = len(ordered) + missing
-    result: dict[str, float | None] = {"count": n, "missing": missing}
-    if not n:
-        return result
-    result["mean"] = sum(ordered) / len(ordered) if ordered else None
-    for label, q in (("p50", 0.50), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999)):
-        rank = nearest_rank(q, n)
-        result[label] = ordered[rank - 1] if rank <= len(ordered) else None
-    result["max"] = None if missing else ordered[-1]
-    return result
+    """count, mean, p50/p90/p99/p99.9 (nearest rank) and max, in ms (see `_harness`)."""
+    return _percentiles_ms(values_s, missing, TAIL_QUANTILES, with_mean=True)
 
 
 def run_mode(mode: str, opts: Options, pin: dict[str, list[str]], logs: Path) -> dict[str, Any]:
@@ -743,24 +589,6 @@ def report(opts: Options, results: dict[str, dict[str, Any]]) -> list[dict[str, 
     return verdicts
 
 
-def environment() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-    }
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        info["git"] = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        ).stdout.strip()
-    return info
-
-
 # --- entry point ---------------------------------------------------------------------------------
 
 
@@ -792,9 +620,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         parser.error("--stall-ms: two whole numbers of milliseconds, LO,HI")
     if not 0 <= low <= high:
         parser.error("--stall-ms: need 0 <= LO <= HI")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
-        parser.error(f"--modes: a comma-separated subset of {', '.join(MODES)}")
+    modes = parse_modes(parser, args.modes, MODES)
     duration = 30.0 if args.quick else args.duration
     warmup = 5.0 if args.quick else args.warmup
     if duration <= 0 or args.rps <= 0 or warmup < 0:
@@ -817,11 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == [SIM_FLAG]:
         return serve_sim(args[1:])
     opts = parse_args(args)
-    pin, warning = pinning()
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
-    elif hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {1})  # the client shares CPU 1 with the upstreams
+    pin, warning = pin_client()
     logs = Path(tempfile.mkdtemp(prefix="tailguard-tail-"))
     results: dict[str, dict[str, Any]] = {}
     failed = False
@@ -869,13 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": results,
         "targets": {"hedge": verdicts} if verdicts else {},
     }
-    opts.json_path.parent.mkdir(parents=True, exist_ok=True)
-    opts.json_path.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"\nresults: {opts.json_path}")
-    if opts.keep_logs:
-        print(f"logs: {logs}")
-    else:
-        shutil.rmtree(logs, ignore_errors=True)
+    write_results(opts.json_path, document, logs, opts.keep_logs)
     return 0 if all(v["pass"] for v in verdicts) else 1
 
 
