@@ -12,9 +12,10 @@ deployment (`gpu/shared`):
 
 - `embed`, with `batching: {max_batch_size: 64, max_wait_ms: 10, max_inflight: 4}`;
 - `chat`, with a TTFT budget of 150 ms (about 3x its unloaded TTFT) and `on_ttft_miss: none`
-  (one deployment: nothing to fail over to). `routing.bulk` keeps its defaults (AIMD from 4
-  bulk chat requests at once, halved when an interactive TTFT passes 80% of its budget, grown
-  while they stay under 50%).
+  (one deployment: nothing to fail over to). `routing.bulk` keeps its defaults: one AIMD
+  limit per deployment, shared by bulk chat requests and micro-batches (each takes one slot),
+  starting at 4, halved when an interactive TTFT passes 80% of its budget, grown by one while
+  they stay under 50% or no interactive request has been seen for a second.
 
 Batched versus unbatched is the same model and the same deployment, told apart by the request
 header alone: with `x-tailguard-priority: bulk` an embeddings request goes through the
@@ -28,17 +29,17 @@ to back (closed loop), unbatched and then batched: throughput, latency p50/p99, 
 upstream call. Target: batched throughput >= 5x unbatched.
 
 Part B. Interactive streaming chat, Poisson arrivals at `--rps` (5/s), for `--duration` seconds:
-TTFT from each request's scheduled send time to its first content event (a request that got no
-first token ranks above every answered one). (a) alone; (b) while bulk traffic saturates the
-server: 64 clients sending 8-input bulk embeddings requests back to back (512 inputs in play, so
-the batch queue always has four full batches in flight and the upstream, not the gateway's CPU,
-is what saturates) and 16 clients sending non-streaming bulk chat requests (through the AIMD
-gate) back to back. The bulk clients run in a process of their own, started `--ramp` seconds
-before the measurement (so interactive users arrive at a server already busy with a batch
-job, as they do). Target: TTFT p99 (b) <= 1.2x (a), over the whole window; the p99 of the
-requests due 5 s or more into it ("settled") is shown too, to tell the gate's reaction to the
-first interactive requests from its steady state. Unless `--no-diagnostics`, also: the two kinds
-of bulk work one at a time (which one hurts), and a what-if with bulk capped statically
+TTFT from each request's scheduled send time to its first content event (a request that got no first
+token ranks above every answered one). (a) alone; (b) while bulk traffic saturates the server: 64
+clients sending 8-input bulk embeddings requests back to back (512 inputs in play, so the batch
+queue always has four full batches in flight and the upstream, not the gateway's CPU, is what
+saturates) and 16 clients sending non-streaming bulk chat requests (through the AIMD gate, as the
+batches are) back to back. The bulk clients run in a process of their own, started `--ramp` seconds
+before the measurement (so interactive users arrive at a server already busy with a batch job, as
+they do). Target: TTFT p99 (b) <= 1.2x (a), over the whole window; the p99 of the requests due 5 s
+or more into it ("settled") is shown too, to tell the gate's reaction to the first interactive
+requests from its steady state. Unless `--no-diagnostics`, also: the two kinds of bulk work one at a
+time (which one hurts), and a what-if with bulk capped statically
 (`routing.bulk.max_concurrency: 1`, `max_inflight: 1`). Every phase gets a fresh gateway (no gate
 limit or latency window carried over). While bulk runs, the gate's limit
 (`tailguard_bulk_concurrency_limit`) and queue are sampled every 250 ms.
@@ -598,6 +599,8 @@ def report(
             settled_s = fmt_ms(settled) + (
                 f" ({settled / alone:.2f}x)" if settled is not None and alone else ""
             )
+            if not phase["ttft_ms_settled"]["count"]:
+                settled_s = "-"  # the window is shorter than SETTLE_S
             print(
                 f"| {name} | {fmt_ms(ttft['p50'])} | {fmt_ms(ttft['p90'])} "
                 f"| {fmt_ms(ttft['p99'])} | {ratio} | {settled_s} "
@@ -627,8 +630,8 @@ def report(
                 print(
                     f"{name}: gate limit >= the server's {SIM_PROFILE['max_batch']} slots in "
                     f"{gate['share_at_or_above_slots']:.0%} of samples (first: "
-                    f"{phase['gate_limit_samples'][0]:.0f}); bulk chats waiting at the gate, "
-                    f"median {gate['waiting_median']:.0f}"
+                    f"{phase['gate_limit_samples'][0]:.0f}); bulk requests (chats and batches) "
+                    f"waiting at the gate, median {gate['waiting_median']:.0f}"
                 )
         count = b["alone"]["ttft_ms"]["count"]
         if count < 1000:

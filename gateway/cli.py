@@ -828,10 +828,6 @@ def main() -> None:
     app()
 
 
-if __name__ == "__main__":  # pragma: no cover
-    main()
-
-
 bench_app = typer.Typer(
     name="bench",
     help="Benchmarks that run a real gateway against a simulated upstream on this machine.",
@@ -858,4 +854,8 @@ def bench_batching(
     if json_:
         Console().print_json(report.to_json())
         return
-    Console().print(escape(report.markdown()), highlight=False)
+    Console(width=400).print(escape(report.markdown()), highlight=False, soft_wrap=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
