@@ -160,12 +160,16 @@ class BatchingProvider:
         except ProviderRejectedError as error:
             if len(batch) == 1:
                 raise
-            # One input spoiled the batch: each request on its own, so only that one fails.
+            # One input spoiled the batch: each request on its own, so only that one fails,
+            # no more of them at once than batches may be in flight.
             del error
-            results = await asyncio.gather(
-                *(self._call(endpoint, headers, [part]) for part in parts),
-                return_exceptions=True,
-            )
+            limit = asyncio.Semaphore(self.spec.max_inflight)
+
+            async def alone(part: _Part) -> list[_Answer]:
+                async with limit:
+                    return await self._call(endpoint, headers, [part])
+
+            results = await asyncio.gather(*(alone(p) for p in parts), return_exceptions=True)
             for item, result in zip(batch, results, strict=True):
                 settle(item, result[0] if isinstance(result, list) else result)
             return
