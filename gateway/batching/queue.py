@@ -54,7 +54,6 @@ class BatchQueue(Generic[T, R]):
         self._items: deque[Item[T, R]] = deque()
         self.waiting = 0  # inputs queued, not yet sent
         self.inflight = 0  # batches being sent
-        self.rejected = 0
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -63,7 +62,6 @@ class BatchQueue(Generic[T, R]):
         full, or whatever its batch raised."""
         spec = self._spec
         if self.waiting + size > spec.max_queue and self.waiting > 0:
-            self.rejected += 1
             # About how long the queue needs to drain, at a batch per max_wait per slot.
             batches = self.waiting / spec.max_batch_size
             drain_s = batches / spec.max_inflight * max(spec.max_wait_ms / 1000, 0.05)

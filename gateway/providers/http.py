@@ -112,7 +112,6 @@ class HTTPProvider:
         self.system = _SYSTEMS[spec.type]
         self.address = urlsplit(spec.base_url).hostname
         self.bulk_priority = spec.bulk_priority
-        self._session = session
         self.session = session  # also used to read a vLLM server's /metrics
         base = spec.base_url.rstrip("/")
         paths = _ANTHROPIC_PATHS if self.wire == "anthropic" else _OPENAI_PATHS
@@ -144,7 +143,7 @@ class HTTPProvider:
         base = self._stream_headers if request.stream else self._body_headers
         headers = base | request.headers if request.headers else base
         try:
-            response = await self._session.post(
+            response = await self.session.post(
                 self._urls[request.endpoint], data=request.body, headers=headers
             )
         except Exception as exc:
