@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import semconv as sc
+from gateway.auth import Principal
 from gateway.batching import BATCHED_ENDPOINTS
 from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
 from gateway.errors import (
@@ -34,8 +36,10 @@ from gateway.errors import (
     GatewayError,
     InvalidRequestError,
     OverloadedError,
+    PermissionDeniedError,
     ProviderError,
     ProviderTimeoutError,
+    RequestTimeoutError,
     StreamInterruptedError,
     UnknownModelError,
     render,
@@ -47,7 +51,9 @@ from gateway.latency import (
     TargetStats,
 )
 from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
+from gateway.openapi import build_openapi
 from gateway.providers.vllm import snapshot as vllm_snapshot
+from gateway.ratelimit import Verdict, estimate_tokens
 from gateway.routing import (
     Budget,
     Candidate,
@@ -87,6 +93,8 @@ LLM_ROUTES: dict[str, Endpoint] = {
     "/v1/messages": "messages",
 }
 _PATHS = {endpoint: path for path, endpoint in LLM_ROUTES.items()}
+# With keys configured: /v1/* needs a client key, the rest of these an admin key.
+_GUARDED_PREFIXES = ("/v1/", "/admin/", "/dashboard")
 
 
 class EdgeMiddleware:
@@ -114,11 +122,25 @@ class EdgeMiddleware:
         if request_id is None:
             request_id = "req_" + os.urandom(12).hex()
         scope["tailguard.request_id"] = request_id
-        endpoint = LLM_ROUTES.get(scope["path"])
+        path = scope["path"]
+        endpoint = LLM_ROUTES.get(path)
         if endpoint is not None and scope["method"] == "POST":
             # These responses carry the request id themselves: no wrapper on every streamed event.
             await serve_llm(scope, receive, send, endpoint)
             return
+        if path.startswith(_GUARDED_PREFIXES) and "state" in scope:
+            keyring = _services(scope).keyring
+            if keyring.enabled:
+                try:
+                    if path.startswith("/v1/"):
+                        scope["tailguard.principal"] = keyring.client(
+                            scope["headers"], anthropic=False
+                        )
+                    else:
+                        scope["tailguard.principal"] = keyring.admin(scope["headers"])
+                except GatewayError as error:
+                    await _send_error(send, error, "openai", request_id)
+                    return
         header = (b"x-request-id", request_id.encode())
 
         async def send_with_id(message: Message) -> None:
@@ -172,13 +194,24 @@ class ClientGoneError(Exception):
     """The client disconnected while its request was being read."""
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body, refusing it as soon as it is known to exceed `limit` bytes."""
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float) -> bytes:
+    """The whole body, refusing it as soon as it is known to exceed `limit` bytes, or when it
+    has not all arrived within `timeout_s` (a client trickling its body holds a slot)."""
     for name, value in scope["headers"]:
         if name == b"content-length":
             if value.isdigit() and (len(value) > 15 or int(value) > limit):
                 raise BodyTooLargeError(f"The request body exceeds the limit of {limit} bytes.")
             break
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_parts(receive, limit)
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"The request body did not arrive within {timeout_s:g} s."
+        ) from None
+
+
+async def _read_parts(receive: Receive, limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
     while True:
@@ -260,22 +293,36 @@ def _budget(header: str, value: bytes) -> int:
 async def serve_llm(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
     """One LLM request, from body to last byte; every failure is answered in the client's wire."""
     wire = ENDPOINT_WIRE[endpoint]
+    runtime: Runtime = scope["state"]["runtime"]
+    admission = runtime.admission
+    principal: Principal | None = None
+    admitted = False
     try:
-        proxy = await _admit(scope, receive, endpoint)
-    except GatewayError as error:
-        await _send_error(send, error, wire, scope["tailguard.request_id"])
-        _refused(scope, endpoint, error.status, error.code or error.type)
-        return
-    except ClientGoneError:
-        _refused(scope, endpoint, 499, "client_disconnected")
-        return
-    except Exception:
-        log.exception("unhandled error while admitting a request to %s", scope["path"])
-        failure = GatewayError("The gateway failed to process the request.")
-        await _send_error(send, failure, wire, scope["tailguard.request_id"])
-        _refused(scope, endpoint, 500, "internal")
-        return
-    await proxy(scope, receive, send)
+        try:
+            keyring = runtime.services.keyring
+            if keyring.enabled:
+                principal = keyring.client(scope["headers"], anthropic=endpoint == "messages")
+                scope["tailguard.key"] = principal.name
+            admission.enter(principal)
+            admitted = True
+            proxy = await _admit(scope, receive, endpoint, principal)
+        except GatewayError as error:
+            await _send_error(send, error, wire, scope["tailguard.request_id"])
+            _refused(scope, endpoint, error.status, error.code or error.type)
+            return
+        except ClientGoneError:
+            _refused(scope, endpoint, 499, "client_disconnected")
+            return
+        except Exception:
+            log.exception("unhandled error while admitting a request to %s", scope["path"])
+            failure = GatewayError("The gateway failed to process the request.")
+            await _send_error(send, failure, wire, scope["tailguard.request_id"])
+            _refused(scope, endpoint, 500, "internal")
+            return
+        await proxy(scope, receive, send)
+    finally:
+        if admitted:
+            admission.leave(principal)
 
 
 def _refused(scope: Scope, endpoint: Endpoint, status: int, error_type: str) -> None:
@@ -324,6 +371,7 @@ def _refused(scope: Scope, endpoint: Endpoint, status: int, error_type: str) -> 
                 "trace_id": trace_id,
                 "path": scope["path"],
                 "model": model,
+                "key": scope.get("tailguard.key"),
                 "status": status,
                 "error": error_type,
                 "total_ms": round(duration * 1000, 3),
@@ -336,17 +384,27 @@ def _services(scope: Scope) -> Services:
     return runtime.services
 
 
-async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
-    limit = _services(scope).settings.server.max_body_bytes
-    raw = await read_body(scope, receive, limit)
+async def _admit(
+    scope: Scope, receive: Receive, endpoint: Endpoint, principal: Principal | None
+) -> Proxy:
+    server = _services(scope).settings.server
+    raw = await read_body(scope, receive, server.max_body_bytes, server.read_timeout_s)
+    call = parse_call(endpoint, raw)
+    verdict = None
+    prompt = charged = 0
+    if principal is not None:
+        _check_key(principal, call, _services(scope).models)
+        if principal.rate_limited:
+            runtime: Runtime = scope["state"]["runtime"]
+            prompt, charged = estimate_tokens(call.raw, call.max_tokens, call.n)
+            verdict = await runtime.limiter.take(principal, charged)
     # Read after the last await before the proxy starts: the request keeps these to its end.
     services = _services(scope)
-    call = parse_call(endpoint, raw)
     spec = services.models.get(call.model)
     if spec is None:
         raise UnknownModelError(
             f"The model '{call.model}' does not exist. Available models: "
-            f"{', '.join(services.models)}.",
+            f"{', '.join(_visible_models(services, principal))}.",
             param="model",
         )
     scope["tailguard.model"] = spec.name
@@ -396,7 +454,60 @@ async def _admit(scope: Scope, receive: Receive, endpoint: Endpoint) -> Proxy:
         hedge_fraction=spec.hedge_max_fraction,
         may_hedge=not headers.client_retry,
     )
-    return Proxy(services, call, chosen, policy, budget.total_s)
+    proxy = Proxy(services, call, chosen, policy, budget.total_s)
+    if principal is not None:
+        proxy.key = Admitted(principal, verdict, prompt, charged, scope["state"]["runtime"])
+    return proxy
+
+
+def _check_key(principal: Principal, call: Call, models: Mapping[str, Any]) -> None:
+    """What a key may ask for: its models, and its caps on `n` and `max_tokens`."""
+    allowed = principal.models
+    if allowed is not None and call.model not in allowed:
+        if call.model not in models:
+            return  # unknown to everyone: the 404 says so, without listing others' models
+        raise PermissionDeniedError(
+            f"The key '{principal.name}' may not use the model '{call.model}'.",
+            param="model",
+            code="model_not_allowed",
+        )
+    if principal.max_n is not None and call.n > principal.max_n:
+        raise InvalidRequestError(
+            f"Invalid 'n': {call.n} is over this key's limit of {principal.max_n}.",
+            param="n",
+            code="key_limit_exceeded",
+        )
+    cap = principal.max_tokens
+    if cap is None or call.endpoint == "embeddings":
+        return
+    if call.max_tokens is None:
+        # Without a cap of its own the request could run to the model's limit: it gets the key's.
+        call.body["max_completion_tokens" if call.endpoint == "chat" else "max_tokens"] = cap
+        call.raw = orjson.dumps(call.body)
+        call.max_tokens = cap
+    elif call.max_tokens > cap:
+        param = "max_completion_tokens" if "max_completion_tokens" in call.body else "max_tokens"
+        raise InvalidRequestError(
+            f"Invalid '{param}': {call.max_tokens} is over this key's limit of {cap}.",
+            param=param,
+            code="key_limit_exceeded",
+        )
+
+
+def _visible_models(services: Services, principal: Principal | None) -> list[str]:
+    allowed = principal.models if principal is not None else None
+    return [name for name in services.models if allowed is None or name in allowed]
+
+
+@dataclass(slots=True)
+class Admitted:
+    """The key a request was admitted under: its rate-limit state and token charge."""
+
+    principal: Principal
+    verdict: Verdict | None
+    prompt_estimate: int  # prompt tokens, as estimated at admission
+    charged: int  # all the tokens charged at admission: the prompt and every output token asked
+    runtime: Runtime
 
 
 def _predictions(
@@ -470,6 +581,7 @@ class Proxy:
             self._gate_lane = plan.candidates[0].id
         self._gated = False
         self._queue_s: float | None = None
+        self.key: Admitted | None = None  # with API keys on: who is asking, and their limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -566,6 +678,8 @@ class Proxy:
                     response_model=opened.candidate.deployment.model,
                 )
             attributes: dict[str, Any] = {sc.TG_MODEL: self._policy.model, sc.TG_ROUTE: route}
+            if self.key is not None:
+                attributes[sc.TG_KEY] = self.key.principal.name
             if opened is not None:
                 attributes[sc.TG_DEPLOYMENT] = deployment
                 attributes[sc.TG_ATTEMPTS] = attempts
@@ -592,8 +706,18 @@ class Proxy:
                     "total_ms": round((now - self._t0) * 1000, 3),
                     "input_tokens": tally.usage.input_tokens if tally is not None else None,
                     "output_tokens": tally.output_tokens if tally is not None else None,
+                    "key": self.key.principal.name if self.key is not None else None,
                 }
             )
+        key = self.key
+        if key is not None and key.principal.tpm is not None:
+            # Charge what the upstream reported instead of the estimate; nothing when no upstream
+            # answered (an error, or a client that left first).
+            used = 0
+            if tally is not None:
+                prompt = tally.usage.input_tokens
+                used = (key.prompt_estimate if prompt is None else prompt) + tally.output_tokens
+            key.runtime.limiter.settle(key.principal, used - key.charged)
 
     async def _fail(self, send: Send, why: str | None = None) -> None:
         """Answer a failure of the gateway itself in the client's wire: a 500 (503 when shutting
@@ -732,6 +856,8 @@ class Proxy:
             headers.append((b"x-upstream-request-id", upstream_id.encode()))
         if len(opened.attempts) > 1:
             headers.append((b"x-should-retry", b"false"))
+        if self.key is not None and self.key.verdict is not None:
+            headers += self.key.verdict.headers()
         return headers
 
     async def _respond(self, opened: Opened, send: Send) -> None:
@@ -914,6 +1040,8 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
     _add_routes(app)
+    # The LLM endpoints bypass the framework's routing, so their part is written by hand.
+    app.openapi = partial(build_openapi, app.openapi, settings)  # type: ignore[method-assign]
     return EdgeMiddleware(app)
 
 
@@ -972,8 +1100,8 @@ def _add_routes(app: FastAPI) -> None:
         services = _services(request.scope)
         created = int(services.started_at)
         data = [
-            {"id": m.name, "object": "model", "created": created, "owned_by": "tailguard"}
-            for m in services.settings.models
+            {"id": name, "object": "model", "created": created, "owned_by": "tailguard"}
+            for name in _visible_models(services, request.scope.get("tailguard.principal"))
         ]
         return Response(
             orjson.dumps({"object": "list", "data": data}), media_type="application/json"

@@ -4,6 +4,7 @@ OpenAI-compatible endpoint's latency."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -36,6 +37,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True)
+ADMIN_KEY_ENV = "TAILGUARD_ADMIN_KEY"
 
 ConfigOption = Annotated[
     Path | None,
@@ -64,6 +66,13 @@ def serve(
         int | None, typer.Option(help="Worker processes (overrides server.workers).")
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    allow_unauthenticated: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unauthenticated",
+            help="Listen beyond loopback with no API keys (server.allow_unauthenticated).",
+        ),
+    ] = False,
 ) -> None:
     """Start the gateway. The config is validated before the port is bound."""
     import uvicorn
@@ -73,27 +82,40 @@ def serve(
     bind_port = settings.server.port if port is None else port
     count = workers or settings.server.workers
     names = ", ".join(m.name for m in settings.models)
-    if settings.auth is not None and settings.auth.keys:
+    keys = settings.auth is not None and settings.auth.enabled
+    if not keys:
+        if not is_loopback(bind_host) and not (
+            allow_unauthenticated or settings.server.allow_unauthenticated
+        ):
+            err.print(
+                f"[bold red]error:[/] no API keys are configured, so the gateway only listens on "
+                f"loopback, not on {escape(bind_host)}. Configure auth.keys (see `tailguard keys "
+                "new`), or pass --allow-unauthenticated if something in front of it "
+                "authenticates.",
+                highlight=False,
+            )
+            raise typer.Exit(code=2)
         err.print(
-            "[yellow]warning:[/] auth keys are configured but not enforced in this version",
-            highlight=False,
-        )
-    if bind_host not in ("127.0.0.1", "localhost", "::1"):
-        err.print(
-            f"[yellow]warning:[/] listening on {escape(bind_host)} without authentication: "
-            "anyone who can reach this port can use every configured model",
+            "[yellow]note:[/] no API keys configured: "
+            + (
+                "requests are not authenticated"
+                if not is_loopback(bind_host)
+                else "listening on loopback only"
+            ),
             highlight=False,
         )
     err.print(
         f"Tailguard on http://{bind_host}:{bind_port}  ({count} worker{'s' if count > 1 else ''}; "
-        f"latency store: {settings.latency.store}; models: {names})",
+        f"latency store: {settings.latency.store}; models: {names}; "
+        f"API keys: {'required' if keys else 'off'})",
         highlight=False,
     )
     options: dict[str, Any] = {
         "host": bind_host,
         "port": bind_port,
         "loop": "uvloop",
-        "http": "httptools",
+        # uvicorn's httptools protocol plus limits on header size and header read time.
+        "http": "gateway.protocol:GuardedHttpToolsProtocol",
         "lifespan": "on",
         "access_log": False,
         "log_level": log_level,
@@ -566,8 +588,9 @@ def stats(
         bool, typer.Option("--json", help="Print the raw JSON of GET /admin/latency.")
     ] = False,
 ) -> None:
-    """Show a running gateway's rolling latency percentiles, per deployment and per model."""
-    body = _fetch_latency(url)
+    """Show a running gateway's rolling latency percentiles, per deployment and per model.
+    With API keys configured, set the admin key in $TAILGUARD_ADMIN_KEY."""
+    body = _fetch_latency(url, admin_key=os.environ.get(ADMIN_KEY_ENV))
     if json_:
         typer.echo(body.decode(errors="replace"))
         return
@@ -600,11 +623,14 @@ def _latency_url(url: str) -> str:
     return base.rstrip("/") + "/admin/latency"
 
 
-def _fetch_latency(url: str, timeout_s: float = 3.0) -> bytes:
+def _fetch_latency(url: str, timeout_s: float = 3.0, *, admin_key: str | None = None) -> bytes:
     """The body of `GET {url}/admin/latency`; a one-line error and exit code 1 if unreachable."""
     target = _latency_url(url)
+    headers = {"accept": "application/json"}
+    if admin_key:
+        headers["authorization"] = f"Bearer {admin_key}"
     try:
-        request = urllib.request.Request(target, headers={"accept": "application/json"})
+        request = urllib.request.Request(target, headers=headers)
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             body: bytes = response.read()
             return body
@@ -826,6 +852,77 @@ def _redact_url(url: str) -> str:
 
 def main() -> None:
     app()
+
+
+keys_app = typer.Typer(
+    name="keys",
+    help="Make gateway API keys and the config lines that admit them.",
+    no_args_is_help=True,
+)
+app.add_typer(keys_app)
+
+
+@keys_app.command("new")
+def keys_new(
+    name: Annotated[str, typer.Argument(help="The key's name in logs, traces and metrics.")],
+    admin: Annotated[
+        bool, typer.Option("--admin", help="An admin key (for /admin/* and /dashboard).")
+    ] = False,
+    models: Annotated[
+        str | None, typer.Option(help="Comma-separated models the key may use (default: all).")
+    ] = None,
+    rpm: Annotated[int | None, typer.Option(min=1, help="Requests per minute.")] = None,
+    tpm: Annotated[int | None, typer.Option(min=1, help="Tokens per minute.")] = None,
+) -> None:
+    """Generate a key. The key goes to stdout once, for the client; stderr gets the line for
+    the config (under `auth.keys`, or `auth.admin_keys` with --admin), which holds only its hash."""
+    from gateway.auth import new_key
+    from gateway.config import KeySpec
+
+    try:
+        KeySpec(name=name, sha256="0" * 64)
+    except ValueError:
+        err.print(
+            "[bold red]error:[/] a key name is 1-64 letters, digits, '.', '_' or '-'",
+            highlight=False,
+        )
+        raise typer.Exit(code=2) from None
+    key, digest = new_key()
+    entry: dict[str, Any] = {"name": name, "sha256": digest}
+    if not admin:
+        if models:
+            entry["models"] = [m.strip() for m in models.split(",") if m.strip()]
+        if rpm is not None:
+            entry["rpm"] = rpm
+        if tpm is not None:
+            entry["tpm"] = tpm
+    section = "admin_keys" if admin else "keys"
+    line = json.dumps(entry, separators=(", ", ": "))
+    err.print(f"# add under auth.{section}:\n- {line}", highlight=False, markup=False)
+    typer.echo(key)
+
+
+@keys_app.command("hash")
+def keys_hash() -> None:
+    """Print the SHA-256 of a key read from stdin (to configure a key made elsewhere)."""
+    import sys
+
+    from gateway.auth import hash_key
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        err.print("[bold red]error:[/] no key on stdin", highlight=False)
+        raise typer.Exit(code=2)
+    typer.echo(hash_key(key))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 bench_app = typer.Typer(

@@ -50,6 +50,13 @@ class ServerSpec(_Spec):
     access_log: bool = True  # one JSON line per LLM request on stdout
     shutdown_grace_s: Annotated[float, Field(ge=0, le=3600)] = 30.0  # for in-flight streams
     reload_on_change: bool = True  # reload when the config file changes (SIGHUP always does)
+    # Limits against abusive clients. A request's headers must arrive within read_timeout_s of
+    # its first byte (or of the connection), and its body within read_timeout_s of its headers.
+    max_header_bytes: Annotated[int, Field(ge=1024, le=1024 * 1024)] = 64 * 1024
+    read_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    max_concurrent: Annotated[int, Field(gt=0)] | None = 1000  # LLM requests in flight, per worker
+    # Without API keys the gateway serves only loopback unless this says otherwise.
+    allow_unauthenticated: bool = False
 
 
 class LatencySpec(_Spec):
@@ -218,22 +225,60 @@ class RoutingSpec(_Spec):
     bulk: BulkSpec = BulkSpec()
 
 
+_SHA256 = r"^[0-9a-f]{64}$"
+_KEY_NAME = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$"
+
+
 class KeySpec(_Spec):
-    name: Annotated[str, Field(min_length=1)]
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-    models: tuple[str, ...] | None = None
-    rpm: Annotated[int, Field(gt=0)] | None = None
-    tpm: Annotated[int, Field(gt=0)] | None = None
+    """A client key: only its SHA-256 is configured (`tailguard keys new` makes one)."""
+
+    name: Annotated[str, Field(pattern=_KEY_NAME)]
+    sha256: Annotated[str, Field(pattern=_SHA256)]
+    models: tuple[str, ...] | None = None  # None: every model
+    rpm: Annotated[int, Field(gt=0)] | None = None  # requests per minute
+    tpm: Annotated[int, Field(gt=0)] | None = None  # tokens per minute (prompt + output)
+    max_concurrent: Annotated[int, Field(gt=0)] | None = None  # requests in flight, per worker
+    max_n: Annotated[int, Field(gt=0)] | None = None
+    max_tokens: Annotated[int, Field(gt=0)] | None = None
 
 
 class AdminKeySpec(_Spec):
-    name: Annotated[str, Field(min_length=1)]
-    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    name: Annotated[str, Field(pattern=_KEY_NAME)]
+    sha256: Annotated[str, Field(pattern=_SHA256)]
+
+
+class RateLimitSpec(_Spec):
+    """Where the per-key rpm/tpm counters live, and what happens when that store fails."""
+
+    store: Literal["auto", "memory", "redis"] = "auto"  # auto: redis when latency.store is
+    redis_url: SecretStr | None = None  # default: latency.redis_url
+    timeout_ms: Annotated[int, Field(gt=0, le=5000)] = 50  # the one round trip's cap
+    # open: each replica enforces the limits on its own meanwhile; closed: refuse with 503.
+    on_store_error: Literal["open", "closed"] = "open"
 
 
 class AuthSpec(_Spec):
     keys: tuple[KeySpec, ...] = ()
     admin_keys: tuple[AdminKeySpec, ...] = ()
+    rate_limits: RateLimitSpec = RateLimitSpec()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys or self.admin_keys)
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthSpec:
+        names: set[str] = set()
+        hashes: set[str] = set()
+        every: list[KeySpec | AdminKeySpec] = [*self.keys, *self.admin_keys]
+        for key in every:
+            if key.name in names:
+                raise ValueError(f"auth: the key name {key.name!r} is used twice")
+            if key.sha256 in hashes:
+                raise ValueError(f"auth: the key {key.name!r} has the same hash as another key")
+            names.add(key.name)
+            hashes.add(key.sha256)
+        return self
 
 
 _yaml_data: ContextVar[dict[str, Any]] = ContextVar("tailguard_yaml_data")
@@ -300,6 +345,9 @@ class Settings(BaseSettings):
         if cycle:
             raise ValueError(f"models: fallbacks form a cycle: {' -> '.join(cycle)}")
         if self.auth is not None:
+            limits = self.auth.rate_limits
+            if limits.store == "redis" and not (limits.redis_url or self.latency.redis_url):
+                raise ValueError("auth.rate_limits: store 'redis' needs a redis_url")
             for key in self.auth.keys:
                 for name in key.models or ():
                     if name not in seen:

@@ -2,7 +2,12 @@
 
     GatewayError                      500 server_error
     ├── InvalidRequestError           400 invalid_request_error (param names the field)
+    ├── AuthenticationError           401 invalid_request_error, code invalid_api_key
+    ├── PermissionDeniedError         403 invalid_request_error (the key may not do this)
+    ├── RequestTimeoutError           408 invalid_request_error (the request was read too slowly)
     ├── BodyTooLargeError             413 invalid_request_error
+    ├── HeadersTooLargeError          431 invalid_request_error
+    ├── KeyRateLimitedError           429 requests | tokens, code rate_limit_exceeded (retry-after)
     ├── UnknownModelError             404 invalid_request_error, code model_not_found
     ├── OverloadedError               503 (retry-after)
     │   └── CoolingDownError          503 every candidate deployment is in cooldown
@@ -58,8 +63,41 @@ class InvalidRequestError(GatewayError):
     status, type, code = 400, "invalid_request_error", "invalid_request"
 
 
+class AuthenticationError(GatewayError):
+    """No key, or not a key the gateway knows. The message never repeats what was sent."""
+
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+    def __init__(self, message: str, *, code: str | None = None, realm: bool = False) -> None:
+        # Basic lets a browser ask for the admin key on the dashboard (the key is the password).
+        challenge = 'Basic realm="tailguard", charset="UTF-8"' if realm else "Bearer"
+        super().__init__(message, code=code, headers={"www-authenticate": challenge})
+
+
+class PermissionDeniedError(GatewayError):
+    status, type, code = 403, "invalid_request_error", "permission_denied"
+
+
+class RequestTimeoutError(GatewayError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class BodyTooLargeError(GatewayError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class HeadersTooLargeError(GatewayError):
+    status, type, code = 431, "invalid_request_error", "headers_too_large"
+
+
+class KeyRateLimitedError(GatewayError):
+    """A key went over its requests or tokens per minute. `type` says which, as OpenAI's does."""
+
+    status, type, code = 429, "requests", "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, kind: str, headers: Mapping[str, str]) -> None:
+        super().__init__(message, headers=headers)
+        self.type = kind
 
 
 class UnknownModelError(GatewayError):
@@ -187,7 +225,9 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
+    431: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",

@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl, unquote
 import orjson
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import BlockingConnectionPool, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
@@ -645,15 +645,33 @@ class _SentinelMaster(Redis):
                 await sentinel.aclose()
 
 
-def connect_redis(url: str, *, timeout_s: float = 0.25, max_connections: int = 4) -> RedisClient:
+def connect_redis(
+    url: str,
+    *,
+    timeout_s: float = 0.25,
+    max_connections: int = 4,
+    wait_for_connection: bool = False,
+) -> RedisClient:
     """A client suited to `RedisLatencyStore`: short timeouts, no retries (the store's breaker
     decides when to try again) and a small pool (per node, for a cluster), so an outage cannot
     cause a connection storm. The URL picks the topology: see `parse_redis_url`.
 
     Nothing is connected yet. The caller owns the client and must `await client.aclose()`.
     Raises ValueError (a message without the URL's secrets) when the URL is not usable.
+    With `wait_for_connection`, a call finding every pooled connection busy waits (up to
+    `timeout_s`) for one instead of failing at once: for callers on the request path.
     """
     target = parse_redis_url(url)
+    if target.topology == "standalone" and wait_for_connection:
+        pool = BlockingConnectionPool.from_url(
+            url,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 0),
+        )
+        return Redis(connection_pool=pool)
     if target.topology == "standalone":
         return Redis.from_url(
             url,

@@ -101,6 +101,7 @@ class Call:
     stream: bool
     include_usage: bool = False  # the client asked for the final usage chunk
     max_tokens: int | None = None
+    n: int = 1  # choices asked for
     priority: str = "interactive"  # interactive | bulk
     request_id: str = ""
     forward_headers: dict[str, str] = field(default_factory=dict)  # sent upstream as-is

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.auth import KeyRing
 from gateway.batching import BatchingProvider, BulkGate
 from gateway.config import ConfigError, ModelSpec, Settings, load_settings
 from gateway.latency import (
@@ -36,6 +37,7 @@ from gateway.providers import open_providers
 from gateway.providers.base import Provider
 from gateway.providers.http import HTTPProvider
 from gateway.providers.vllm import ServerState, metrics_url, scrape_forever
+from gateway.ratelimit import Admission, open_rate_limiter
 from gateway.routing import Guards, TTFTPredictor, fallback_chain
 from gateway.telemetry import (
     AccessLog,
@@ -74,6 +76,7 @@ class Services:
     servers: dict[str, ServerState] = field(default_factory=dict)  # vLLM load, by provider
     predictor: TTFTPredictor = field(default_factory=TTFTPredictor)
     gate: BulkGate | None = None  # admission of bulk chat requests
+    keyring: KeyRing = field(default_factory=lambda: KeyRing(None))  # empty: no authentication
     active: int = 0  # requests admitted under these services and not yet finished
     retired: bool = False  # a reload replaced these services
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # retired and no request left
@@ -118,6 +121,10 @@ class Runtime:
         try:
             settings = self._initial
             self.latency = await _open_latency_store(settings, stack)
+            # Per process, not per config: counters in flight must survive a reload.
+            self.admission = Admission(settings.server.max_concurrent)
+            self.limiter = open_rate_limiter(settings)
+            stack.push_async_callback(self.limiter.aclose)
             self.tracing = tracing_from_env(self._environ)
             # Flushes what is queued, bounded by the exporter's timeout, off the event loop.
             stack.push_async_callback(asyncio.to_thread, self.tracing.shutdown)
@@ -188,6 +195,7 @@ class Runtime:
             metrics=self.registry,
             batchers=batchers,
             gate=gate,
+            keyring=KeyRing(settings.auth),
             servers=servers,
             predictor=self.predictor,
             _pools=pools,
@@ -231,11 +239,14 @@ class Runtime:
                 self.reload_failures += 1
                 log.error("config reload rejected, the running config is kept: %s", exc)
                 return False
-            fixed = {}
+            fixed: dict[str, Any] = {}
             for part in ("server", "latency"):
                 if getattr(settings, part) != getattr(old.settings, part):
                     log.warning("config reload: `%s` changes need a restart; kept as it was", part)
                     fixed[part] = getattr(old.settings, part)
+            if _rate_limit_store(settings) != _rate_limit_store(old.settings):
+                # Keys and their limits reload; where the counters live does not.
+                log.warning("config reload: `auth.rate_limits` changes need a restart")
             if fixed:
                 settings = settings.model_copy(update=fixed)
             same_routing = settings.routing == old.settings.routing
@@ -325,6 +336,10 @@ class Runtime:
             task.cancel()
         await asyncio.gather(*self._draining, return_exceptions=True)
         await self.services._pools.aclose()
+
+
+def _rate_limit_store(settings: Settings) -> Any:
+    return settings.auth.rate_limits if settings.auth is not None else None
 
 
 def _digest(path: Path) -> bytes | None:

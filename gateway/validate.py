@@ -113,12 +113,13 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
     stream = _optional_bool(body, "stream")
     include_usage = False
     max_tokens: int | None = None
+    n = 1
     if endpoint == "chat":
         _messages(body)
         max_tokens = _optional_int(body, "max_completion_tokens", 0)
         if max_tokens is None:
             max_tokens = _optional_int(body, "max_tokens", 0)
-        _optional_int(body, "n", 1)
+        n = _optional_int(body, "n", 1) or 1
     elif endpoint == "completions":
         prompt = body.get("prompt")
         if prompt is None:
@@ -126,7 +127,7 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
         if not isinstance(prompt, str | list):
             raise _invalid_type("prompt", "a string or an array", prompt)
         max_tokens = _optional_int(body, "max_tokens", 0)
-        _optional_int(body, "n", 1)
+        n = _optional_int(body, "n", 1) or 1
     elif endpoint == "embeddings":
         value = body.get("input")
         if value is None:
@@ -169,4 +170,5 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
         stream=stream,
         include_usage=include_usage,
         max_tokens=max_tokens,
+        n=n,
     )

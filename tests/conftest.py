@@ -30,7 +30,11 @@ async def serve(app: Any) -> AsyncIterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(
-        app, log_level="warning", lifespan="on", http="httptools", access_log=False
+        app,
+        log_level="warning",
+        lifespan="on",
+        http="gateway.protocol:GuardedHttpToolsProtocol",  # as `tailguard serve` runs
+        access_log=False,
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
