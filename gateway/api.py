@@ -1146,6 +1146,7 @@ def _add_routes(app: FastAPI) -> None:
             "models": [m.name for m in services.settings.models],
             # Still ready when the store is degraded: requests do not depend on it.
             "latency_store": services.latency.health(),
+            "rate_limits": runtime.limiter.health(),
             "config": runtime.health(),
         }
         return Response(orjson.dumps(body), media_type="application/json")

@@ -671,7 +671,7 @@ def connect_redis(
             max_connections=max_connections,
             retry=Retry(NoBackoff(), 0),
         )
-        return Redis(connection_pool=pool)
+        return Redis.from_pool(pool)  # the client closes its pool
     if target.topology == "standalone":
         return Redis.from_url(
             url,

@@ -135,8 +135,9 @@ def duration(seconds: float) -> str:
     """A duration as OpenAI's reset headers spell it: `120ms`, `1.5s`, `6m0s`."""
     if seconds < 1:
         return f"{math.ceil(seconds * 1000)}ms"
-    if seconds < 60:
-        return f"{math.ceil(seconds * 10) / 10:g}s"
+    tenths = math.ceil(seconds * 10) / 10
+    if tenths < 60:
+        return f"{tenths:g}s"
     minutes, rest = divmod(math.ceil(seconds), 60)
     return f"{minutes}m{rest}s"
 
