@@ -3,14 +3,15 @@
 # Tailguard, the latency-aware LLM API gateway.
 #
 #   docker build -t tailguard .
-#   docker run --rm -p 127.0.0.1:8080:8080 tailguard              # built-in simulated models
+#   docker run --rm -p 127.0.0.1:8080:8080 -e TAILGUARD_SERVER__ALLOW_UNAUTHENTICATED=true \
+#       tailguard                                                  # built-in simulated models
 #   docker run --rm -p 127.0.0.1:8080:8080 -e OPENAI_API_KEY \
 #       -v "$PWD/config/examples/openai.yaml:/etc/tailguard/gateway.yaml:ro" tailguard
 #   docker run --rm tailguard check-config --config /etc/tailguard/examples/mixed.yaml
 #   docker run --rm -p 127.0.0.1:8000:8000 tailguard sim --host 0.0.0.0   # simulated upstream
 #
 # The entrypoint is `tailguard`; the default command serves /etc/tailguard/gateway.yaml on
-# 0.0.0.0:8080. Mount your own config over that path; pass secrets as environment variables
+# 0.0.0.0:8080, which a config without API keys may only do when told so (as above). Mount your own config over that path; pass secrets as environment variables
 # (the config refers to them as ${OPENAI_API_KEY}, ${ANTHROPIC_API_KEY}, ...).
 
 ARG PYTHON_IMAGE=python:3.11-slim

@@ -295,3 +295,33 @@ async def test_dashboard_survives_a_gateway_restart(upstream: Upstream) -> None:
     # the shutdown); nothing else.
     failed_fetch = "Failed to load resource: net::ERR_"
     assert [e for e in watched.errors if not e.startswith(failed_fetch)] == []
+
+
+async def test_dashboard_behind_an_admin_key(upstream: Upstream) -> None:
+    """With keys configured the browser is asked for the admin key (HTTP Basic: any user name,
+    the key as password); once given, the page and its polls of /admin/latency work."""
+    from gateway.auth import new_key
+
+    key, digest = new_key()
+    base = two_models(upstream)
+    settings = gateway_settings(
+        {name: spec.model_dump() for name, spec in base.providers.items()},
+        [m.model_dump() for m in base.models],
+        auth={"admin_keys": [{"name": "ops", "sha256": digest}]},
+    )
+    async with run_gateway(settings) as gw, chromium() as browser:
+        async with httpx.AsyncClient() as client:
+            refused = await client.get(gw.url + "/dashboard")
+        assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith(
+            "Basic"
+        )
+        context = await browser.new_context(http_credentials={"username": "ops", "password": key})
+        page = await context.new_page()
+        watched = Watched(page)
+        response = await page.goto(gw.url + "/dashboard")
+        assert response is not None and response.ok
+        await expect(page.locator('[data-model="chat"] h3')).to_have_text("chat")
+        await expect(page.locator('[data-field="connection"]')).to_have_text("Live")
+        assert any(url == gw.url + "/admin/latency" for url in watched.requests)
+        assert watched.errors == []
+        assert key not in await page.content()
