@@ -429,3 +429,20 @@ def test_serve_refuses_public_interfaces_without_keys(tmp_path: Any) -> None:
     done = tailguard("serve", "--config", str(config), "--host", "0.0.0.0", "--port", "1")
     assert done.returncode == 2
     assert "only listens on loopback" in " ".join(done.stderr.split())
+
+
+def test_keys_can_come_from_the_environment(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.config import load_settings
+
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "providers: {sim: {type: simulated}}\nmodels: [{name: m, deployments: [{provider: sim, "
+        "model: fast}]}]\n"
+    )
+    monkeypatch.setenv(
+        "TAILGUARD_AUTH__KEYS", orjson.dumps([{"name": "env-key", "sha256": CLIENT_HASH}]).decode()
+    )
+    loaded = load_settings(config)
+    assert loaded.auth is not None
+    principal = KeyRing(loaded.auth).identify(CLIENT_KEY.encode())
+    assert principal is not None and principal.name == "env-key"

@@ -13,10 +13,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gateway"
 LIBRARY_OWNERS = {
     "fastapi": {"gateway.api"},
     "starlette": {"gateway.api"},
-    "uvicorn": {"gateway.cli", "gateway.sim.server"},
+    "uvicorn": {"gateway.cli", "gateway.sim.server", "gateway.protocol"},
+    "httptools": {"gateway.protocol", "gateway.bench"},  # header limits; the bench client
     "httpx": set(),
     "aiohttp": {"gateway.providers.http", "gateway.providers.vllm", "gateway.probe"},
-    "redis": {"gateway.latency"},
+    "redis": {"gateway.latency", "gateway.ratelimit"},
     "opentelemetry": {"gateway.telemetry.tracing"},
     "prometheus_client": {
         "gateway.telemetry.prometheus",
@@ -39,6 +40,9 @@ FORBIDDEN = {
     "gateway.providers": ("gateway.api", "gateway.routing"),
     "gateway.routing": ("gateway.api", "gateway.batching"),
     "gateway.batching": ("gateway.api", "gateway.routing", "gateway.runtime"),
+    "gateway.auth": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.runtime"),
+    "gateway.ratelimit": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.runtime"),
+    "gateway.protocol": ("gateway.api", "gateway.routing", "gateway.providers"),
 }
 
 
