@@ -390,15 +390,27 @@ async def _admit(
     server = _services(scope).settings.server
     raw = await read_body(scope, receive, server.max_body_bytes, server.read_timeout_s)
     call = parse_call(endpoint, raw)
+    if principal is None:
+        return _plan(scope, call, None)
+    _check_key(principal, call, _services(scope).models)
+    runtime: Runtime = scope["state"]["runtime"]
     verdict = None
     prompt = charged = 0
-    if principal is not None:
-        _check_key(principal, call, _services(scope).models)
-        if principal.rate_limited:
-            runtime: Runtime = scope["state"]["runtime"]
-            prompt, charged = estimate_tokens(call.raw, call.max_tokens, call.n)
-            verdict = await runtime.limiter.take(principal, charged)
-    # Read after the last await before the proxy starts: the request keeps these to its end.
+    if principal.rate_limited:
+        prompt, charged = estimate_tokens(call.raw, call.max_tokens, call.n)
+        verdict = await runtime.limiter.take(principal, charged)
+    try:
+        proxy = _plan(scope, call, principal)
+    except BaseException:
+        runtime.limiter.settle(principal, -charged)  # refused after all: no tokens used
+        raise
+    proxy.key = Admitted(principal, verdict, prompt, charged, runtime)
+    return proxy
+
+
+def _plan(scope: Scope, call: Call, principal: Principal | None) -> Proxy:
+    """Route an admitted call: no await from here to the proxy's start, so the request keeps the
+    services it reads now to its end."""
     services = _services(scope)
     spec = services.models.get(call.model)
     if spec is None:
@@ -454,10 +466,7 @@ async def _admit(
         hedge_fraction=spec.hedge_max_fraction,
         may_hedge=not headers.client_retry,
     )
-    proxy = Proxy(services, call, chosen, policy, budget.total_s)
-    if principal is not None:
-        proxy.key = Admitted(principal, verdict, prompt, charged, scope["state"]["runtime"])
-    return proxy
+    return Proxy(services, call, chosen, policy, budget.total_s)
 
 
 def _check_key(principal: Principal, call: Call, models: Mapping[str, Any]) -> None:

@@ -245,3 +245,17 @@ async def test_limiter_unit_with_real_redis(redis_server: RedisServer) -> None:
                 await asyncio.sleep(0.01)
     finally:
         await limiter.aclose()
+
+
+async def test_a_request_refused_after_its_charge_gets_its_tokens_back(
+    upstream: Upstream, http: httpx.AsyncClient
+) -> None:
+    async with run_gateway(settings(upstream.base_url, tpm=1000)) as gw:
+        unknown = await http.post(
+            gw.base_url + "/chat/completions",
+            json={"model": "nope", "messages": CHAT, "max_tokens": 900},
+            headers=bearer(),
+        )
+        fits = await chat(http, gw.base_url, max_tokens=900)
+    assert unknown.status_code == 404
+    assert fits.status_code == 200
