@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import semconv as sc
 from gateway.api import create_app
-from gateway.config import Settings
+from gateway.config import AuthSpec, Settings
 from gateway.latency import MemoryRecorder
 from gateway.sim.engine import SimEngine, SimProfile
 from gateway.sim.server import create_sim_app
@@ -362,6 +362,36 @@ async def test_no_secret_reaches_a_span_and_baggage_is_not_forwarded(
     assert sent["authorization"] == "Bearer sk-test-SECRET-abc123"
     assert sent["x-api-key"] == "hdr-SECRET-xyz"
     assert "client-SECRET-999" not in orjson.dumps(sent).decode()
+
+
+async def test_a_gateway_key_is_named_in_the_span_never_carried(
+    collector: Collector, primary: Sim, client: httpx.AsyncClient
+) -> None:
+    """With API keys on, the server span says which key (its configured name); the key itself,
+    accepted or refused, is nowhere in the export."""
+    from gateway.auth import hash_key
+
+    key = "tg-client-SECRET-key-1"
+    settings = one(primary).model_copy(
+        update={
+            "auth": AuthSpec.model_validate({"keys": [{"name": "team-a", "sha256": hash_key(key)}]})
+        }
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with traced_gateway(settings, collector.env) as url:
+        ok = await client.post(
+            url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+        )
+        refused = await client.post(
+            url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": "Bearer tg-wrong-SECRET-2"},
+        )
+    assert ok.status_code == 200 and refused.status_code == 401
+    servers = [s for s in collector.receiver.spans if s.attributes.get(sc.TG_KEY)]
+    assert [s.attributes[sc.TG_KEY] for s in servers] == ["team-a"]
+    for export in collector.receiver.exports:
+        assert b"SECRET" not in export.body
 
 
 # --- configuration from OTEL_* -------------------------------------------------------------------
