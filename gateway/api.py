@@ -175,6 +175,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     error = GatewayError(
         str(exc.detail),
         code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error"),
+        headers=exc.headers,  # a 405's `allow`
     )
     error.status = exc.status_code
     error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
@@ -1096,7 +1097,7 @@ def _latency_view(services: Services) -> dict[str, Any]:
 
 def _add_routes(app: FastAPI) -> None:
     async def wrong_method(request: Request) -> Response:
-        raise StarletteHTTPException(405, "Method Not Allowed")
+        raise StarletteHTTPException(405, "Method Not Allowed", headers={"allow": "POST"})
 
     # POST to these is served by EdgeMiddleware; any other method lands here.
     for path in LLM_ROUTES:

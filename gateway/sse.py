@@ -18,21 +18,24 @@ class SSEFramingError(ValueError):
 class SSEParser:
     """Feed bytes, get complete events. CRLF and CR line endings are normalised to LF."""
 
-    __slots__ = ("_buffer",)
+    __slots__ = ("_after_cr", "_buffer")
 
     def __init__(self) -> None:
         self._buffer = b""
+        self._after_cr = False  # the last byte fed was a CR
 
     def feed(self, data: bytes) -> list[SSEEvent]:
+        if self._after_cr and data:
+            self._after_cr = False
+            if data.startswith(b"\n"):
+                # The LF of a CRLF split across network chunks: its CR already ended the line.
+                # (Holding the CR back instead would leave a stream's last event unfinished when
+                # its lines end in a lone CR.)
+                data = data[1:]
+        if b"\r" in data:  # the buffer is already normalised
+            self._after_cr = data.endswith(b"\r")
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buffer = self._buffer + data if self._buffer else data
-        if b"\r" in buffer:
-            # A CR at the very end may be the first half of a CRLF split across network chunks.
-            keep_cr = buffer.endswith(b"\r")
-            if keep_cr:
-                buffer = buffer[:-1]
-            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            if keep_cr:
-                buffer += b"\r"
         events: list[SSEEvent] = []
         start = 0
         while True:
