@@ -200,7 +200,7 @@ class RateLimiter:
         self._backoff_s = 0.0
         self._settling: set[asyncio.Task[None]] = set()
         self.store_errors = 0
-        self.refused = 0
+        self.refused: dict[tuple[str, str], int] = {}  # by (key name, requests | tokens)
 
     @property
     def store(self) -> str:
@@ -220,6 +220,7 @@ class RateLimiter:
         or OverloadedError when the store is down and the policy is `closed`."""
         limits = (principal.rpm or 0, principal.tpm or 0)
         if principal.tpm is not None and tokens > principal.tpm:
+            self._count(principal.name, "tokens")
             raise KeyRateLimitedError(
                 f"Request too large for key '{principal.name}': it needs about {tokens} tokens "
                 f"and the limit is {principal.tpm} tokens per min (TPM). Send a shorter prompt "
@@ -230,9 +231,13 @@ class RateLimiter:
         out, source = await self._call(principal.name, limits, (1, tokens), check=True)
         verdict = _verdict(out, limits, source)
         if not verdict.allowed:
-            self.refused += 1
-            raise verdict.refusal(principal)
+            refusal = verdict.refusal(principal)
+            self._count(principal.name, refusal.type)
+            raise refusal
         return verdict
+
+    def _count(self, name: str, kind: str) -> None:
+        self.refused[(name, kind)] = self.refused.get((name, kind), 0) + 1
 
     def settle(self, principal: Principal, delta: int) -> None:
         """Correct a request's token charge once its real usage is known (not awaited)."""
@@ -343,11 +348,11 @@ class Admission:
         self.max_concurrent = max_concurrent
         self.active = 0
         self.by_key: dict[str, int] = {}
-        self.refused = 0
+        self.refused: dict[str, int] = {"gateway": 0, "key": 0}  # by which cap
 
     def enter(self, principal: Principal | None) -> None:
         if self.max_concurrent is not None and self.active >= self.max_concurrent:
-            self.refused += 1
+            self.refused["gateway"] += 1
             raise _busy(
                 f"The gateway is serving its limit of {self.max_concurrent} concurrent requests.",
                 "overloaded",
@@ -355,7 +360,7 @@ class Admission:
         if principal is not None and principal.max_concurrent is not None:
             held = self.by_key.get(principal.name, 0)
             if held >= principal.max_concurrent:
-                self.refused += 1
+                self.refused["key"] += 1
                 raise _busy(
                     f"The key '{principal.name}' has its limit of {principal.max_concurrent} "
                     "concurrent requests in flight.",

@@ -45,6 +45,8 @@ from gateway.telemetry import (
     BatchingState,
     GuardsCollector,
     LatencyStoreCollector,
+    LimitsCollector,
+    LimitsState,
     Meters,
     Registry,
     Tracing,
@@ -140,6 +142,7 @@ class Runtime:
                     lambda: self.tracing.dropped,
                 ),
                 BatchingCollector(self._batching_state),
+                LimitsCollector(self._limits_state),
             )
             self.meters = Meters(self.registry, {})
             self.services = await self._build(settings, guards=None)
@@ -299,6 +302,14 @@ class Runtime:
             bulk_limits=gate.limits() if gate is not None else {},
             bulk_waiting=gate.waiting() if gate is not None else {},
             bulk_rejected=gate.rejected if gate is not None else 0,
+        )
+
+    def _limits_state(self) -> LimitsState:
+        return LimitsState(
+            rate_limited=self.limiter.refused,
+            store_errors=self.limiter.store_errors,
+            concurrency_refused=self.admission.refused,
+            in_flight=self.admission.active,
         )
 
     def health(self) -> dict[str, Any]:

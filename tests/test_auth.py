@@ -25,6 +25,7 @@ from gateway.auth import KeyRing, hash_key, new_key, presented_key
 from gateway.config import AuthSpec
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake
+from tests.test_metrics import scrape
 
 CLIENT_KEY, CLIENT_HASH = new_key()
 OTHER_KEY, OTHER_HASH = new_key()
@@ -370,11 +371,14 @@ async def test_concurrent_requests_per_key_and_overall(
         await asyncio.gather(first, second, return_exceptions=True)
         await upstream.stats.wait_for(lambda s: s.cancelled >= 2)
         again = await until_not_busy(http, gw.base_url)
+        metrics = await scrape(http, gw.url)
     assert same_key.status_code == 503
     assert same_key.json()["error"]["code"] == "too_many_concurrent_requests"
     assert same_key.headers["retry-after"] == "1"
     assert overall.status_code == 503 and overall.json()["error"]["code"] == "overloaded"
     assert again.status_code == 200
+    assert metrics.value("tailguard_concurrency_refused_total", cap="key") >= 1
+    assert metrics.value("tailguard_concurrency_refused_total", cap="gateway") >= 1
 
 
 async def until_not_busy(http: httpx.AsyncClient, base_url: str) -> httpx.Response:

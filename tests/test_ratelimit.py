@@ -16,6 +16,9 @@ from gateway.auth import Principal, new_key
 from gateway.config import RateLimitSpec
 from gateway.ratelimit import LocalBuckets, RateLimiter, duration, estimate_tokens
 from tests.conftest import RedisServer, Upstream, gateway_settings, run_gateway
+from tests.test_metrics import scrape_when
+
+REQUESTS = "tailguard_requests_total"
 
 KEY, KEY_HASH = new_key()
 CHAT: Any = [{"role": "user", "content": "hi"}]
@@ -112,6 +115,7 @@ async def test_requests_per_minute_with_openai_headers(
         async with openai.AsyncOpenAI(base_url=gw.base_url, api_key=KEY, max_retries=0) as sdk:
             with pytest.raises(openai.RateLimitError) as refused:
                 await sdk.chat.completions.create(model="m", messages=CHAT)
+        metrics = await scrape_when(http, gw.url, lambda s: s.value(REQUESTS) >= 4)
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == ["2", "1", "0"]
     assert answers[0].headers["x-ratelimit-limit-requests"] == "3"
@@ -122,6 +126,8 @@ async def test_requests_per_minute_with_openai_headers(
     assert response.headers["retry-after"] == "20"
     assert response.headers["x-ratelimit-remaining-requests"] == "0"
     assert upstream.stats.requests == 3
+    assert metrics.value("tailguard_rate_limited_total", key="team", limit="requests") == 1
+    assert metrics.value("tailguard_requests_total", status="429") == 1
 
 
 async def test_tokens_per_minute_are_charged_then_settled(

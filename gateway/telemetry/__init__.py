@@ -6,7 +6,14 @@ request path. Each app owns its registry and tracer provider, so apps never mix 
 """
 
 from gateway.telemetry.access import AccessLog, configure_logging
-from gateway.telemetry.meters import BatchingCollector, BatchingState, GuardsCollector, Meters
+from gateway.telemetry.meters import (
+    BatchingCollector,
+    BatchingState,
+    GuardsCollector,
+    LimitsCollector,
+    LimitsState,
+    Meters,
+)
 from gateway.telemetry.prometheus import (
     CONTENT_TYPE,
     LatencyStoreCollector,
@@ -23,6 +30,8 @@ __all__ = [
     "BatchingState",
     "GuardsCollector",
     "LatencyStoreCollector",
+    "LimitsCollector",
+    "LimitsState",
     "Meters",
     "Registry",
     "RequestTrace",

@@ -224,6 +224,47 @@ class GuardsCollector(Collector):
 
 
 @dataclass(frozen=True, slots=True)
+class LimitsState:
+    rate_limited: Mapping[tuple[str, str], int]  # refusals by (key, requests | tokens)
+    store_errors: int  # the rate-limit store's failures
+    concurrency_refused: Mapping[str, int]  # refusals by cap: gateway | key
+    in_flight: int  # LLM requests admitted and not yet finished
+
+
+class LimitsCollector(Collector):
+    """The admission limits' counters, read at scrape time."""
+
+    def __init__(self, state: Callable[[], LimitsState]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        limited = CounterMetricFamily(
+            sc.RATE_LIMITED, "Requests refused by a key's rpm or tpm.", labels=["key", "limit"]
+        )
+        for (key, kind), count in sorted(state.rate_limited.items()):
+            limited.add_metric([key, kind], float(count))
+        yield limited
+        errors = CounterMetricFamily(
+            sc.RATE_LIMIT_STORE_ERRORS, "Rate-limit checks the shared store failed to answer."
+        )
+        errors.add_metric([], float(state.store_errors))
+        yield errors
+        refused = CounterMetricFamily(
+            sc.CONCURRENCY_REFUSED,
+            "Requests refused because the gateway's or the key's requests in flight were at "
+            "their cap.",
+            labels=["cap"],
+        )
+        for cap, count in sorted(state.concurrency_refused.items()):
+            refused.add_metric([cap], float(count))
+        yield refused
+        in_flight = GaugeMetricFamily(sc.REQUESTS_IN_FLIGHT, "LLM requests being served.")
+        in_flight.add_metric([], float(state.in_flight))
+        yield in_flight
+
+
+@dataclass(frozen=True, slots=True)
 class BatchingState:
     waiting: Mapping[str, int]  # inputs queued per deployment
     rejected: Mapping[str, int]  # requests refused because their queue was full
