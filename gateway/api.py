@@ -399,7 +399,7 @@ async def _admit(
     prompt = charged = 0
     if principal.rate_limited:
         prompt, charged = estimate_tokens(call.raw, call.max_tokens, call.n)
-        verdict = await runtime.limiter.take(principal, charged)
+        verdict = await runtime.limiter.take(principal, charged, call.wire)
     try:
         proxy = _plan(scope, call, principal)
     except BaseException:
@@ -867,7 +867,7 @@ class Proxy:
         if len(opened.attempts) > 1:
             headers.append((b"x-should-retry", b"false"))
         if self.key is not None and self.key.verdict is not None:
-            headers += self.key.verdict.headers()
+            headers += self.key.verdict.headers(self._call.wire)
         return headers
 
     async def _respond(self, opened: Opened, send: Send) -> None:

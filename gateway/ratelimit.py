@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -29,6 +30,7 @@ from gateway.auth import Principal
 from gateway.config import RateLimitSpec, Settings
 from gateway.errors import KeyRateLimitedError, OverloadedError
 from gateway.latency import RedisClient, connect_redis
+from gateway.models import Wire
 
 log = logging.getLogger("tailguard")
 
@@ -95,20 +97,33 @@ class Verdict:
     tokens: Bucket | None
     source: str  # redis | local
 
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        """OpenAI's rate-limit headers, on every response to a limited key."""
+    def headers(self, wire: Wire = "openai") -> list[tuple[bytes, bytes]]:
+        """The rate-limit headers of every response to a limited key, as the client's API
+        spells them: OpenAI's `x-ratelimit-*` (reset as a duration), or Anthropic's
+        `anthropic-ratelimit-*` (reset as an RFC 3339 time)."""
         out: list[tuple[bytes, bytes]] = []
+        now = time.time()
         for kind, bucket in (("requests", self.requests), ("tokens", self.tokens)):
             if bucket is None:
                 continue
-            out += [
-                (b"x-ratelimit-limit-" + kind.encode(), str(bucket.limit).encode()),
-                (b"x-ratelimit-remaining-" + kind.encode(), str(max(0, bucket.remaining)).encode()),
-                (b"x-ratelimit-reset-" + kind.encode(), duration(bucket.reset_s).encode()),
-            ]
+            remaining = str(max(0, bucket.remaining)).encode()
+            if wire == "anthropic":
+                prefix = b"anthropic-ratelimit-" + kind.encode()
+                reset = datetime.fromtimestamp(math.ceil(now + bucket.reset_s), UTC)
+                out += [
+                    (prefix + b"-limit", str(bucket.limit).encode()),
+                    (prefix + b"-remaining", remaining),
+                    (prefix + b"-reset", reset.strftime("%Y-%m-%dT%H:%M:%SZ").encode()),
+                ]
+            else:
+                out += [
+                    (b"x-ratelimit-limit-" + kind.encode(), str(bucket.limit).encode()),
+                    (b"x-ratelimit-remaining-" + kind.encode(), remaining),
+                    (b"x-ratelimit-reset-" + kind.encode(), duration(bucket.reset_s).encode()),
+                ]
         return out
 
-    def refusal(self, principal: Principal) -> KeyRateLimitedError:
+    def refusal(self, principal: Principal, wire: Wire = "openai") -> KeyRateLimitedError:
         """The 429 for a refused request: which limit, and when to try again."""
         kind, bucket = "requests", self.requests
         if (
@@ -120,7 +135,7 @@ class Verdict:
         assert bucket is not None
         unit = "RPM" if kind == "requests" else "TPM"
         wait = max(bucket.wait_s, 0.001)
-        headers = {k.decode(): v.decode() for k, v in self.headers()}
+        headers = {k.decode(): v.decode() for k, v in self.headers(wire)}
         headers["retry-after"] = str(max(1, math.ceil(wait)))
         headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
         return KeyRateLimitedError(
@@ -215,7 +230,7 @@ class RateLimiter:
             "store_errors": self.store_errors,
         }
 
-    async def take(self, principal: Principal, tokens: int) -> Verdict:
+    async def take(self, principal: Principal, tokens: int, wire: Wire = "openai") -> Verdict:
         """Charge one request and `tokens` to the key, or refuse. Raises KeyRateLimitedError,
         or OverloadedError when the store is down and the policy is `closed`."""
         limits = (principal.rpm or 0, principal.tpm or 0)
@@ -231,7 +246,7 @@ class RateLimiter:
         out, source = await self._call(principal.name, limits, (1, tokens), check=True)
         verdict = _verdict(out, limits, source)
         if not verdict.allowed:
-            refusal = verdict.refusal(principal)
+            refusal = verdict.refusal(principal, wire)
             self._count(principal.name, refusal.type)
             raise refusal
         return verdict

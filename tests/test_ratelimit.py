@@ -265,3 +265,34 @@ async def test_a_request_refused_after_its_charge_gets_its_tokens_back(
         fits = await chat(http, gw.base_url, max_tokens=900)
     assert unknown.status_code == 404
     assert fits.status_code == 200
+
+
+async def test_anthropic_clients_get_anthropic_headers() -> None:
+    """On /v1/messages the limits are spelled as Anthropic's API does, and a refusal is the
+    Anthropic SDK's RateLimitError."""
+    import anthropic
+
+    from tests.conftest import serve
+    from tests.fakes.anthropic_upstream import AnthropicFake
+
+    async with serve(AnthropicFake()) as url:
+        config = gateway_settings(
+            {"claude": {"type": "anthropic", "base_url": url, "api_key": "sk-ant-x"}},
+            [{"name": "m", "deployments": [{"provider": "claude", "model": "claude-x"}]}],
+            auth={"keys": [{"name": "team", "sha256": KEY_HASH, "rpm": 1}]},
+        )
+        async with (
+            run_gateway(config) as gw,
+            anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0) as client,
+        ):
+            first = await client.messages.with_raw_response.create(
+                model="m", max_tokens=8, messages=CHAT
+            )
+            with pytest.raises(anthropic.RateLimitError) as refused:
+                await client.messages.create(model="m", max_tokens=8, messages=CHAT)
+    assert first.headers["anthropic-ratelimit-requests-limit"] == "1"
+    assert first.headers["anthropic-ratelimit-requests-remaining"] == "0"
+    assert first.headers["anthropic-ratelimit-requests-reset"].endswith("Z")
+    assert "x-ratelimit-limit-requests" not in first.headers
+    assert refused.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    assert int(refused.value.response.headers["retry-after"]) > 0
