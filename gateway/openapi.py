@@ -68,9 +68,21 @@ _ANTHROPIC_PATHS: Final = frozenset({"/v1/messages"})  # errors in Anthropic's s
 _PROTOCOL_STATUSES: Final = frozenset({408, 431})
 
 _RATE_LIMIT_HEADERS: Final = {
-    f"x-ratelimit-{part}-{kind}": f"RateLimit{part.title()}{kind.title()}"
-    for kind in ("requests", "tokens")
-    for part in ("limit", "remaining", "reset")
+    "OpenAI": {
+        f"x-ratelimit-{part}-{kind}": f"RateLimit{part.title()}{kind.title()}"
+        for kind in ("requests", "tokens")
+        for part in ("limit", "remaining", "reset")
+    },
+    # Anthropic's spelling, on /v1/messages: the same counts, the reset as an RFC 3339 time.
+    "Anthropic": {
+        f"anthropic-ratelimit-{kind}-{part}": (
+            "AnthropicRateLimitReset"
+            if part == "reset"
+            else f"RateLimit{part.title()}{kind.title()}"
+        )
+        for kind in ("requests", "tokens")
+        for part in ("limit", "remaining", "reset")
+    },
 }
 
 
@@ -147,7 +159,7 @@ def _complete_llm_operation(operation: Document, errors: str) -> None:
         "server-timing": _header("ServerTiming"),
         "x-upstream-request-id": _header("UpstreamRequestId"),
         "x-should-retry": _header("ShouldRetry"),
-        **{name: _header(component) for name, component in _RATE_LIMIT_HEADERS.items()},
+        **{name: _header(component) for name, component in _RATE_LIMIT_HEADERS[errors].items()},
     }
     for status in ERROR_STATUSES:
         operation["responses"][str(status)] = _response_ref(errors, status)
@@ -169,7 +181,7 @@ def _error_responses() -> Document:
             if status in (429, 503):
                 headers["retry-after"] = _header("RetryAfter")
             if status == 429:
-                headers.update({n: _header(c) for n, c in _RATE_LIMIT_HEADERS.items()})
+                headers.update({n: _header(c) for n, c in _RATE_LIMIT_HEADERS[errors].items()})
             if status >= 429:
                 headers["x-should-retry"] = _header("ShouldRetry")
             responses[f"{errors}{status}"] = {
