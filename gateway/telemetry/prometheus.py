@@ -1,12 +1,13 @@
-"""Prometheus exposition, and the collectors that read the latency store's state at scrape time
-(the request path pays nothing for them)."""
+"""Prometheus exposition, and the collectors that read the latency store's state, the process and
+the event loop at scrape time (the request path pays nothing for them)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -20,6 +21,7 @@ LATENCY_STORE_DROPPED_SAMPLES = "tailguard_latency_store_dropped_samples"
 LATENCY_STORE_PENDING = "tailguard_latency_store_pending_writes"
 LATENCY_SNAPSHOT_AGE = "tailguard_latency_snapshot_age_seconds"
 INFLIGHT = "tailguard_upstream_inflight"
+EVENT_LOOP_TASKS = "tailguard_event_loop_tasks"
 
 
 class LatencyStoreCollector(Collector):
@@ -73,9 +75,38 @@ class LatencyStoreCollector(Collector):
         yield inflight
 
 
+class EventLoopCollector(Collector):
+    """Counts the event loop's unfinished tasks at scrape time. Under a steady load the count
+    follows the requests in flight; one that keeps growing is a task that never ends (a leak)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop  # None: the loop running the scrape
+
+    def collect(self) -> Iterator[Metric]:
+        loop = self._loop
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # scraped outside any loop: nothing to count
+        tasks = GaugeMetricFamily(
+            EVENT_LOOP_TASKS, "Unfinished asyncio tasks on the gateway's event loop."
+        )
+        tasks.add_metric([], float(len(asyncio.all_tasks(loop))))
+        yield tasks
+
+
 def make_registry(*collectors: Collector) -> CollectorRegistry:
+    """A registry of `collectors`, plus the process's (`process_resident_memory_bytes`,
+    `process_open_fds`, CPU, ...) and the event loop's task count, all read at scrape time."""
     registry = CollectorRegistry(auto_describe=False)
-    for collector in collectors:
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    # registry=None: the collector would otherwise also join prometheus_client's global registry.
+    process = ProcessCollector(registry=None)
+    for collector in (*collectors, process, EventLoopCollector(loop)):
         registry.register(collector)
     return registry
 
