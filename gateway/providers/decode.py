@@ -179,8 +179,10 @@ def _plain_content(data: bytes) -> bool:
     start = data.find(_CONTENT)
     if start < 0 or data[start + len(_CONTENT) : start + len(_CONTENT) + 1] == b'"':
         return False  # no content, or an empty string
-    if data.count(b'"delta":') != 1 or data[:1] != b"{":
+    if data.count(b'"delta":') != 1 or data[:1] != b"{" or data[-1:] != b"}":
         return False
+    if data.count(b"{") != data.count(b"}") or data.count(b"[") != data.count(b"]"):
+        return False  # maybe a cut-off object: parsed, so that it is refused rather than relayed
     return _NEEDS_PARSING.search(data) is None
 
 

@@ -10,6 +10,7 @@ arrives. Every attempt that does not win is closed before `open_first` returns o
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -456,7 +457,13 @@ class _Race:
                 f"Every deployment of '{self.policy.model}' is cooling down after failures.",
                 retry_after_s=PROBE_WAIT_S,
             )
-        return AllCandidatesFailedError(self.errors)
+        failed = AllCandidatesFailedError(self.errors)
+        # An upstream may ask for an absurd wait (retry-after: 99999); its deployment cools
+        # down for at most the configured cap, so the client is not told to wait longer.
+        wait, cap = failed.headers.get("retry-after"), math.ceil(self.guards.cooldowns.max_s)
+        if wait is not None and wait.isdigit() and int(wait) > cap:
+            failed.headers["retry-after"] = str(cap)
+        return failed
 
 
 async def _attempt(candidate: Candidate, prepared: Prepared) -> Opened:

@@ -53,6 +53,11 @@ class Cooldowns:
         self._states: dict[str, _Breaker] = {}
         self.opened: dict[str, int] = {}  # times each breaker opened
 
+    @property
+    def max_s(self) -> float:
+        """The longest a deployment cools down, whatever an upstream's retry-after says."""
+        return self._spec.max_s
+
     def cooling(self) -> Mapping[str, float]:
         """Deployments that may not be tried now, with the seconds until they may."""
         if not self._states:

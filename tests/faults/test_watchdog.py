@@ -1,0 +1,115 @@
+"""The fault suite's own loop-stall watchdog can fail: it catches a blocked loop and names the
+blocking code, and it does not mistake an idle or stopped loop for a blocked one.
+
+Each scenario runs its own event loop in a worker thread, watched by its own detector, so the
+test's loop (and its autouse watchdog) stays idle while the scenario blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from tests.faults.stall import Stall, StallDetector
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def blocking_call() -> None:
+    time.sleep(0.1)  # noqa: ASYNC251 - the blocking call the watchdog must catch
+
+
+async def blocked_loop() -> list[Stall]:
+    async with StallDetector() as detector:
+        await asyncio.sleep(0.05)
+        await blocking_call()
+        await asyncio.sleep(0.05)
+    return detector.stalls
+
+
+async def idle_loop() -> list[Stall]:
+    async with StallDetector() as detector:
+        await asyncio.sleep(0.2)  # waiting in the selector is not blocking
+    return detector.stalls
+
+
+def stopped_loop() -> list[Stall]:
+    """A loop that is not running for 100 ms (between two `run_until_complete`) is not blocked."""
+    loop = asyncio.new_event_loop()
+    detector = StallDetector()
+    try:
+        loop.run_until_complete(detector.__aenter__())
+        time.sleep(0.1)  # outside the loop: nothing it should be doing is held up
+        loop.run_until_complete(detector.__aexit__(None, None, None))
+    finally:
+        loop.close()
+    return detector.stalls
+
+
+async def test_a_blocked_loop_is_caught_with_its_stack() -> None:
+    """A coroutine that calls `time.sleep(0.1)` is reported once, with its line in the stack."""
+    stalls = await asyncio.to_thread(asyncio.run, blocked_loop())
+    assert len(stalls) == 1
+    (stall,) = stalls
+    assert 0.05 < stall.blocked_s < 1.0
+    assert "in blocking_call" in stall.stack
+    assert "time.sleep(0.1)" in stall.stack
+    assert "event loop blocked for" in str(stall)
+
+
+async def test_idle_and_stopped_loops_are_not_stalls() -> None:
+    """Sleeping in the selector, or not running at all, is never counted as blocking."""
+    assert await asyncio.to_thread(asyncio.run, idle_loop()) == []
+    assert await asyncio.to_thread(stopped_loop) == []
+
+
+TEST_FILE = textwrap.dedent(
+    """
+    import asyncio
+    import time
+
+
+    async def blocking_call():
+        time.sleep(0.1)
+
+
+    async def test_blocks():
+        await blocking_call()
+
+
+    async def test_waits():
+        await asyncio.sleep(0.1)
+    """
+)
+
+
+async def test_the_fixture_fails_a_test_that_blocks_its_loop(tmp_path: Path) -> None:
+    """Under the watchdog fixture, a test that blocks its loop fails, showing the blocking line;
+    a test that only waits passes."""
+    (tmp_path / "conftest.py").write_text(
+        "from tests.faults.stall import loop_watchdog, pytest_runtest_call  # noqa: F401\n"
+    )
+    (tmp_path / "test_blocking.py").write_text(TEST_FILE)
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "pytest", "-p", "pytest_asyncio.plugin", "-p", "no:cacheprovider"),
+        *("-q", "-rf", str(tmp_path)),
+        cwd=tmp_path,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(30):
+        out, _ = await process.communicate()
+    text = out.decode()
+    assert process.returncode == 1, text
+    assert "1 failed, 1 passed" in text, text
+    assert "FAILED test_blocking.py::test_blocks" in text, text
+    assert "event loop blocked for" in text and "time.sleep(0.1)" in text, text
