@@ -171,27 +171,22 @@ def _reason(status: int) -> str:
         return "Site Overloaded" if status == 529 else "Unknown"
 
 
-class RawUpstream:
-    """A bare HTTP/1.1 server on loopback whose every connection runs `script`."""
+class _LoopbackServer:
+    """A TCP server on a free loopback port that tracks its connections, so that leaving the
+    `async with` ends every handler, and a test can wait for a state of the server."""
 
-    def __init__(self, script: Script) -> None:
-        self._script = script
+    def __init__(self) -> None:
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[object]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self.events = _Watchers()
         self.accepted = 0  # connections accepted
         self.open = 0  # connections open now
-        self.requests = 0  # requests read
-        self.peer_closes = 0  # closes by the gateway that a script waited for
         self.url = ""
-        self.base_url = ""
 
     async def __aenter__(self) -> Self:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.base_url = self.url + "/v1"
+        self._server = await asyncio.start_server(self._connected, "127.0.0.1", 0)
+        self.url = self._url(self._server.sockets[0].getsockname()[1])
         return self
 
     async def __aexit__(
@@ -202,16 +197,46 @@ class RawUpstream:
         await _finish(self._handlers, self._writers)
         await self._server.wait_closed()
 
-    async def wait_for(self, predicate: Callable[[RawUpstream], bool], within_s: float = 5) -> None:
+    async def wait_for(self, predicate: Callable[[Self], bool], within_s: float = 5) -> None:
         await self.events.wait_for(lambda: predicate(self), within_s=within_s)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _url(self, port: int) -> str:
+        raise NotImplementedError
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
         self._writers.add(writer)
         self.accepted += 1
         self.open += 1
+        try:
+            await self._serve(reader, writer)
+        finally:
+            self.open -= 1
+            self._handlers.discard(task)
+            self._writers.discard(writer)
+            self.events.changed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class RawUpstream(_LoopbackServer):
+    """A bare HTTP/1.1 server on loopback whose every connection runs `script`."""
+
+    def __init__(self, script: Script) -> None:
+        super().__init__()
+        self._script = script
+        self.requests = 0  # requests read
+        self.peer_closes = 0  # closes by the gateway that a script waited for
+        self.base_url = ""
+
+    def _url(self, port: int) -> str:
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        return f"http://127.0.0.1:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.events.changed()
         try:
             await self._script(Exchange(reader, writer, self))
@@ -221,13 +246,9 @@ class RawUpstream:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
-            self.open -= 1
-            self._handlers.discard(task)
-            self._writers.discard(writer)
-            self.events.changed()
 
 
-class RedisProxy:
+class RedisProxy(_LoopbackServer):
     """A TCP proxy in front of a real redis-server, on loopback; both knobs can change any time.
 
     `delay_s` holds every reply chunk that long after it arrived (a delay line: replies stay in
@@ -238,45 +259,20 @@ class RedisProxy:
     def __init__(
         self, target_port: int, *, delay_s: float = 0.0, flap_after_s: float = 0.2
     ) -> None:
+        super().__init__()
         self._target = target_port
         self.delay_s = delay_s
         self.flap = False
         self.flap_after_s = flap_after_s
-        self._server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task[object]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
-        self.events = _Watchers()
-        self.accepted = 0
-        self.open = 0  # client connections open now
         self.max_open = 0
         self.dropped = 0  # connections the proxy reset or cut
         self.holding = 0  # reply chunks being delayed right now
         self.delayed = 0  # reply chunks delayed so far
-        self.url = ""
 
-    async def __aenter__(self) -> Self:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.url = f"redis://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/0"
-        return self
+    def _url(self, port: int) -> str:
+        return f"redis://127.0.0.1:{port}/0"
 
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        assert self._server is not None
-        self._server.close()
-        await _finish(self._handlers, self._writers)
-        await self._server.wait_closed()
-
-    async def wait_for(self, predicate: Callable[[RedisProxy], bool], within_s: float = 5) -> None:
-        await self.events.wait_for(lambda: predicate(self), within_s=within_s)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        self._writers.add(writer)
-        self.accepted += 1
-        self.open += 1
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.max_open = max(self.max_open, self.open)
         self.events.changed()
         upstream: asyncio.StreamWriter | None = None
@@ -309,9 +305,6 @@ class RedisProxy:
                 if end is not None:
                     end.transport.abort()
                     self._writers.discard(end)
-            self.open -= 1
-            self._handlers.discard(task)
-            self.events.changed()
 
     def start_flapping(self) -> None:
         """Flap from now on, starting by dropping every connection open now."""
