@@ -26,6 +26,7 @@ from gateway.config import AuthSpec
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake
 from tests.test_metrics import scrape
+from tests.test_proxy import Scripted
 
 CLIENT_KEY, CLIENT_HASH = new_key()
 OTHER_KEY, OTHER_HASH = new_key()
@@ -58,56 +59,24 @@ def settings(base_url: str, *, server: dict[str, Any] | None = None, **client: A
     )
 
 
-class Recorder:
-    """An OpenAI-compatible upstream that answers one fixed completion and keeps every request's
-    headers and body."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[dict[str, str], dict[str, Any]]] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        self.requests.append((headers, orjson.loads(body)))
-        answer = orjson.dumps(
-            {
-                "id": "cmpl-1",
-                "object": "chat.completion",
-                "created": 1,
-                "model": "m",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "ok"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-            }
-        )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": answer})
+ANSWER = orjson.dumps(
+    {
+        "id": "cmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+)
 
 
 @pytest.fixture
-async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
-    app = Recorder()
+async def recorder() -> AsyncIterator[tuple[Scripted, str]]:
+    """An upstream that answers one fixed completion and keeps every request it got."""
+    app = Scripted(200, ANSWER)
     async with serve(app) as url:
         yield app, url + "/v1"
 
@@ -168,7 +137,7 @@ def test_duplicate_key_names_and_hashes_are_config_errors() -> None:
 
 
 async def test_a_client_key_calls_models_and_is_never_forwarded(
-    recorder: tuple[Recorder, str],
+    recorder: tuple[Scripted, str],
 ) -> None:
     """The right key is served; the upstream sees neither the key nor the client's
     Authorization header (upstream credentials come from the config alone)."""
@@ -176,9 +145,8 @@ async def test_a_client_key_calls_models_and_is_never_forwarded(
     async with run_gateway(settings(base_url)) as gw, sdk(gw.base_url, CLIENT_KEY) as client:
         reply = await client.chat.completions.create(model="m", messages=CHAT)
     assert reply.choices[0].message.content == "ok"
-    headers, _ = fake.requests[0]
-    assert "authorization" not in headers
-    assert CLIENT_KEY not in repr(fake.requests)
+    assert "authorization" not in fake.requests[0]
+    assert CLIENT_KEY not in repr(fake.requests) + repr(fake.bodies)
 
 
 async def test_missing_or_wrong_key_is_401_without_echo(upstream: Upstream) -> None:
@@ -246,7 +214,7 @@ async def test_a_key_sees_and_uses_only_its_models(upstream: Upstream) -> None:
     assert "other" not in unknown.value.message.split("Available models:")[1]
 
 
-async def test_n_and_max_tokens_caps(recorder: tuple[Recorder, str]) -> None:
+async def test_n_and_max_tokens_caps(recorder: tuple[Scripted, str]) -> None:
     """Over a cap is a 400 naming the field; a request without max_tokens gets the key's cap."""
     fake, base_url = recorder
     async with (
@@ -261,9 +229,10 @@ async def test_n_and_max_tokens_caps(recorder: tuple[Recorder, str]) -> None:
         await client.chat.completions.create(model="m", messages=CHAT)
     assert too_many.value.param == "n" and too_many.value.code == "key_limit_exceeded"
     assert too_long.value.param == "max_tokens"
-    assert len(fake.requests) == 2
-    assert fake.requests[0][1]["max_tokens"] == 50
-    assert fake.requests[1][1]["max_completion_tokens"] == 50
+    sent = [orjson.loads(body) for body in fake.bodies if body]  # not the GETs of /metrics
+    assert len(sent) == 2
+    assert sent[0]["max_tokens"] == 50
+    assert sent[1]["max_completion_tokens"] == 50
 
 
 # --- admin endpoints ----------------------------------------------------------------------------

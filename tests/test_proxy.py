@@ -321,7 +321,8 @@ class Scripted:
         self.status = status
         self.body = body
         self.headers = headers or {}
-        self.requests: list[dict[str, str]] = []
+        self.requests: list[dict[str, str]] = []  # each request's headers
+        self.bodies: list[bytes] = []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -329,9 +330,14 @@ class Scripted:
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return
-        while (await receive()).get("more_body"):
-            pass
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
         self.requests.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        self.bodies.append(body)
         headers = [(b"content-type", b"application/json")]
         headers += [(k.encode(), v.encode()) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": self.status, "headers": headers})
