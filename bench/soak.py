@@ -106,7 +106,10 @@ except ImportError:
     )
     from _harness import percentiles_ms as _percentiles_ms  # type: ignore[no-redef,unused-ignore,import-not-found]
 
+from gateway.auth import hash_key
 from gateway.sketch import nearest_rank
+
+SOAK_KEY = "tg-soak-key"
 
 RSS_GROWTH_LIMIT: Final = 0.05
 WARMUP_SHARE: Final = 0.20
@@ -259,7 +262,8 @@ def release_redis(target: RedisTarget) -> None:
     if target.shared_db is None:
         return
     with redis.Redis(port=6379, db=target.shared_db) as client:
-        keys = list(client.scan_iter(match="tg:lat:*", count=1000))
+        keys = [*client.scan_iter(match="tg:lat:*", count=1000)]
+        keys += client.scan_iter(match="tg:rl:*", count=1000)
         if keys:
             client.delete(*keys)
 
@@ -304,6 +308,11 @@ def gateway_config(port: int, ports: dict[str, int], redis_url: str) -> dict[str
         # The soak checks that the faults are failed over and leave nothing behind, so the
         # retry budget must never be what answers a fault (it would at a burst of faults).
         "routing": {"retry_budget": {"percent": 100, "min_concurrent": 100}},
+        # Every request authenticates and is charged to rpm/tpm buckets in the same Redis (one
+        # round trip each), with limits far above the load: the soak covers that path too.
+        "auth": {
+            "keys": [{"name": "soak", "sha256": hash_key(SOAK_KEY), "rpm": 1_000_000, "tpm": 10**9}]
+        },
     }
 
 
@@ -423,7 +432,11 @@ async def one_request(
     session: aiohttp.ClientSession, url: str, kind: Kind, outcome: Outcome, rng: random.Random
 ) -> None:
     body, inputs = request_body(kind, rng)
-    headers = {"content-type": "application/json", "x-request-id": outcome.request_id}
+    headers = {
+        "content-type": "application/json",
+        "x-request-id": outcome.request_id,
+        "authorization": f"Bearer {SOAK_KEY}",
+    }
     if kind.bulk:
         headers["x-tailguard-priority"] = "bulk"
     if kind.wire == "messages":
