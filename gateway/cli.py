@@ -198,8 +198,12 @@ def check_config(
         )
     out.print(providers)
     out.print(models)
-    keys = settings.auth is not None and bool(settings.auth.keys)
-    auth = "configured (not enforced in this version)" if keys else "off"
+    keys = settings.auth
+    auth = (
+        f"{len(keys.keys)} client key(s), {len(keys.admin_keys)} admin key(s)"
+        if keys is not None and keys.enabled
+        else "off (loopback only unless server.allow_unauthenticated)"
+    )
     out.print(
         f"server {settings.server.host}:{settings.server.port}, "
         f"latency store {settings.latency.store} (window {settings.latency.window_s} s), "
