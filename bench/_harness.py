@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -47,7 +47,14 @@ class Stack:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     roles: dict[int, str] = field(default_factory=dict)  # pid -> role, to name one that died
 
-    def start(self, role: str, command: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
+    def start(
+        self,
+        role: str,
+        command: Sequence[str],
+        log_name: str,
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start `command` pinned for `role`; `env` replaces the inherited environment."""
         log = open(self.logs / log_name, "wb")  # noqa: SIM115 - the child owns it until the end
         try:
             child = subprocess.Popen(
@@ -56,6 +63,7 @@ class Stack:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=ROOT,
+                env=None if env is None else dict(env),
                 start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
             )
         finally:
@@ -65,10 +73,15 @@ class Stack:
         return child
 
     def start_ready(
-        self, role: str, command: Sequence[str], log_name: str, url: str
+        self,
+        role: str,
+        command: Sequence[str],
+        log_name: str,
+        url: str,
+        env: Mapping[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
         """`start`, then wait until `url` answers 200 (the process is of no use before)."""
-        child = self.start(role, command, log_name)
+        child = self.start(role, command, log_name, env)
         wait_ready(url, child, self.logs / log_name)
         return child
 
@@ -123,11 +136,22 @@ def start_gateway(stack: Stack, port: int, config: dict[str, Any]) -> subprocess
     return serve(stack, port, path)
 
 
-def serve(stack: Stack, port: int, config_path: Path) -> subprocess.Popen[bytes]:
+def serve(
+    stack: Stack,
+    port: int,
+    config_path: Path,
+    *,
+    workers: int = 1,
+    env: Mapping[str, str] | None = None,
+    role: str = "gateway",
+    log_name: str = "gateway.log",
+) -> subprocess.Popen[bytes]:
     """`tailguard serve --config config_path`, once `/healthz` answers."""
     command = [str(VENV_BIN / "tailguard"), "serve", "--config", str(config_path)]
     command += ["--port", str(port), "--log-level", "warning"]
-    return stack.start_ready("gateway", command, "gateway.log", f"http://127.0.0.1:{port}/healthz")
+    if workers != 1:
+        command += ["--workers", str(workers)]
+    return stack.start_ready(role, command, log_name, f"http://127.0.0.1:{port}/healthz", env)
 
 
 def pinning() -> tuple[dict[str, list[str]], str | None]:

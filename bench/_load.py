@@ -70,6 +70,7 @@ class LoadSpec:
     warmup_requests: int = 0  # sent before the window (opens the connections), not measured
     expect_tokens: int | None = None  # content tokens each answer must carry
     cpu_pids: dict[str, int] = field(default_factory=dict)  # name -> pid to charge CPU to
+    headers: dict[str, str] = field(default_factory=dict)  # extra request headers (e.g. auth)
 
 
 # --- measuring -----------------------------------------------------------------------------------
@@ -370,9 +371,10 @@ class Runner:
     def __init__(self, spec: LoadSpec) -> None:
         self.spec = spec
         body = spec.body.encode()
+        extra = "".join(f"{name}: {value}\r\n" for name, value in spec.headers.items())
         self.request = (
             f"POST {spec.path} HTTP/1.1\r\nhost: {spec.host}:{spec.port}\r\n"
-            f"content-type: application/json\r\n"
+            f"content-type: application/json\r\n{extra}"
             f"accept: {'text/event-stream' if spec.stream else 'application/json'}\r\n"
             f"content-length: {len(body)}\r\n\r\n"
         ).encode() + body

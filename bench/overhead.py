@@ -45,6 +45,16 @@ PASS/FAIL; the results go to `bench/results/overhead.json` (or `--json PATH`). T
     .venv/bin/python bench/overhead.py              # ~2 minutes
     .venv/bin/python bench/overhead.py --quick      # smoke run, ~40 s
     .venv/bin/python bench/overhead.py --reference  # also the bare proxy, ~3 minutes
+
+Against the field (`bench/_field.py`, `bench/_contenders.py`): `--litellm`, `--nginx`, `--field`
+(both) measure Tailguard with every feature on (budgets and fallbacks, the Redis latency store,
+traces exported over OTLP, the access log, API keys) against LiteLLM's proxy (its own virtualenv
+in `bench/.venvs/litellm`, made on first use) and nginx `proxy_pass`, `--repeat` times, medians;
+a missing LiteLLM or nginx is skipped with a message. `--workers N` adds Tailguard's throughput
+with 1 and N workers sharing statistics through Redis; `--profile` samples the gateway with
+py-spy under saturated load and measures what each of its features costs.
+
+    .venv/bin/python bench/overhead.py --field --workers 2 --profile   # ~20 minutes
 """
 
 from __future__ import annotations
@@ -65,10 +75,12 @@ from pathlib import Path
 from typing import Any
 
 try:  # `python -m bench.overhead` or `python bench/overhead.py`
+    from bench import _field as field_run
     from bench._harness import Stack as _Stack
     from bench._harness import free_port, serve, sigterm_as_interrupt
     from bench._load import LoadSpec, run_load
 except ImportError:
+    import _field as field_run  # type: ignore[no-redef,unused-ignore,import-not-found]
     from _harness import Stack as _Stack  # type: ignore[no-redef,unused-ignore,import-not-found]
     from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         free_port,
@@ -109,6 +121,7 @@ class Options:
     json_path: Path
     keep_logs: bool
     reference: bool
+    field: field_run.FieldOptions | None = None  # set: the comparison against the field
 
 
 @dataclass(slots=True)
@@ -496,10 +509,60 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         action="store_true",
         help="keep the temporary directory with configs and process logs",
     )
+    field = parser.add_argument_group(
+        "against the field",
+        "Tailguard with every feature on against LiteLLM and nginx (any of these flags; "
+        "results go to bench/results/overhead-field.json unless --json)",
+    )
+    field.add_argument(
+        "--litellm",
+        action="store_true",
+        help="compare with LiteLLM's proxy (installed into bench/.venvs/litellm on first use)",
+    )
+    field.add_argument("--nginx", action="store_true", help="compare with nginx proxy_pass")
+    field.add_argument("--field", action="store_true", help="both --litellm and --nginx")
+    field.add_argument(
+        "--repeat", type=int, default=3, help="rounds of every phase; medians (default 3)"
+    )
+    field.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="N > 1: also Tailguard's throughput with 1 and N workers sharing Redis",
+    )
+    field.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample the gateway with py-spy under saturation; measure what each feature costs",
+    )
     args = parser.parse_args(argv)
     duration = 2.5 if args.quick else args.duration
     if min(duration, args.rate, args.stream_rate, args.paced_tps, args.concurrency) <= 0:
         parser.error("--duration, --rate, --stream-rate, --paced-tps, --concurrency: must be > 0")
+    if args.repeat < 1 or not 1 <= args.workers <= 64:
+        parser.error("--repeat: at least 1; --workers: 1 to 64")
+    against = args.litellm or args.nginx or args.field or args.workers > 1 or args.profile
+    field_options = None
+    if against:
+        json_path = args.json
+        if json_path == DEFAULT_JSON:
+            json_path = DEFAULT_JSON.with_name("overhead-field.json")
+        field_options = field_run.FieldOptions(
+            litellm=args.litellm or args.field,
+            nginx=args.nginx or args.field,
+            reference=args.reference,
+            repeat=1 if args.quick else args.repeat,
+            duration_s=duration,
+            warmup_s=1.0 if args.quick else 3.0,
+            concurrency=args.concurrency,
+            stream_rate=args.stream_rate,
+            tokens=args.tokens,
+            paced_tps=args.paced_tps,
+            workers=args.workers,
+            profile=args.profile,
+            json_path=json_path,
+            keep_logs=args.keep_logs,
+        )
     return Options(
         duration_s=duration,
         warmup_s=1.0 if args.quick else 3.0,
@@ -511,11 +574,14 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         json_path=args.json,
         keep_logs=args.keep_logs,
         reference=args.reference,
+        field=field_options,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.field is not None:
+        return field_run.run(opts.field)
     pin, warning = pinning()
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
