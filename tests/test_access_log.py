@@ -165,3 +165,33 @@ async def test_access_log_setting_is_per_app(
         assert resp.status_code == 200
         await counted(client, gw.url, 1)
     assert len(lines(access)) == 1
+
+
+async def test_a_serving_process_writes_the_lines_to_stdout(tmp_path: Any) -> None:
+    """In `tailguard serve` the lines reach stdout through the writer thread (not the logging
+    machinery), one JSON object per request, all written out when the process stops."""
+    import signal
+    import subprocess
+
+    from tests.conftest import free_port
+    from tests.test_operations import CHAT as SAY
+    from tests.test_operations import config, tailguard_serve, write
+
+    path = tmp_path / "gateway.yaml"
+    port = free_port()
+    write(path, config("m", reload_on_change=False))
+    with tailguard_serve(path, port, stdout=subprocess.PIPE) as process:
+        async with httpx.AsyncClient(timeout=10) as http:
+            ids = []
+            for _ in range(3):
+                reply = await http.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": "m", **SAY}
+                )
+                assert reply.status_code == 200
+                ids.append(reply.headers["x-request-id"])
+        process.send_signal(signal.SIGTERM)
+        assert process.stdout is not None
+        out, _ = process.communicate(timeout=20)
+    found = [orjson.loads(line) for line in out.splitlines() if line.startswith(b"{")]
+    assert [line["request_id"] for line in found] == ids
+    assert all(line["status"] == 200 and line["model"] == "m" for line in found)

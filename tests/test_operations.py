@@ -127,10 +127,12 @@ async def test_invalid_file_is_rejected_and_the_old_config_kept(
 
 
 @contextmanager
-def tailguard_serve(path: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+def tailguard_serve(
+    path: Path, port: int, *, stdout: int = subprocess.DEVNULL
+) -> Iterator[subprocess.Popen[bytes]]:
     process = subprocess.Popen(
         [str(TAILGUARD), "serve", "--config", str(path), "--port", str(port)],
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.PIPE,
     )
     try:
@@ -149,8 +151,9 @@ def tailguard_serve(path: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
         if process.poll() is None:
             process.kill()
         process.wait(timeout=10)
-        if process.stderr is not None:
-            process.stderr.close()
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 async def test_sighup_reloads_the_config(tmp_path: Path) -> None:

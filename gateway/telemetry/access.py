@@ -26,7 +26,14 @@ class AccessLog:
         return self._on and _log.isEnabledFor(logging.INFO)
 
     def write(self, fields: dict[str, Any]) -> None:
-        _log.info(orjson.dumps(fields).decode())
+        line = orjson.dumps(fields).decode()
+        direct = _direct
+        if direct is not None and not _log.propagate:
+            # A serving process (configure_logging ran): the line goes straight to the writer
+            # thread, skipping a log record's construction (about 30 us a request).
+            direct.put(line)
+        else:
+            _log.info(line)
 
 
 class _Writer(threading.Thread):
@@ -35,7 +42,7 @@ class _Writer(threading.Thread):
     write nor a thread switch per line."""
 
     def __init__(
-        self, records: queue.SimpleQueue[logging.LogRecord], other: logging.Handler
+        self, records: queue.SimpleQueue[logging.LogRecord | str], other: logging.Handler
     ) -> None:
         super().__init__(name="tailguard-log-writer", daemon=True)
         self._records = records
@@ -58,7 +65,9 @@ class _Writer(threading.Thread):
                 record = self._records.get_nowait()
             except queue.Empty:
                 break
-            if record.name == _log.name:
+            if isinstance(record, str):  # an access line queued directly
+                lines.append(record)
+            elif record.name == _log.name:
                 lines.append(record.getMessage())
             else:
                 self._other.handle(record)
@@ -71,22 +80,24 @@ class _Writer(threading.Thread):
 
 
 _writer: _Writer | None = None
+_direct: queue.SimpleQueue[logging.LogRecord | str] | None = None  # the writer's queue, once set up
 
 
 def configure_logging(level: str = "info") -> None:
     """Logging for a serving process: access lines as bare JSON on stdout; the gateway's other
     messages at `level` on stderr. Records go through a queue to a writer thread, so a slow or
     blocked stdout never stalls the event loop. Call once, before the app starts."""
-    global _writer
+    global _writer, _direct
     if _writer is not None:
         _writer.stop()
-    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    records: queue.SimpleQueue[logging.LogRecord | str] = queue.SimpleQueue()
     other = logging.StreamHandler(sys.stderr)
     other.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     _writer = _Writer(records, other)
     _writer.start()
     atexit.register(_writer.stop)  # writes out what is queued
     enqueue = QueueHandler(records)
+    _direct = records
     _log.handlers[:] = [enqueue]
     _log.setLevel(logging.INFO)
     _log.propagate = False
