@@ -539,8 +539,7 @@ def _predictions(
         stats = candidate.stats
         ttft_p50 = stats.ttft.p50 / 1000 if stats and stats.ttft.p50 is not None else None
         if ttft_p50 is None and server is not None:
-            recent = server.recent_ttft()
-            ttft_p50 = recent.quantile(0.5) if recent is not None else None
+            ttft_p50 = server.recent_ttft_p50()
         total_p50 = stats.total.p50 / 1000 if stats and stats.total.p50 is not None else None
         predicted = services.predictor.predict(
             candidate.id,

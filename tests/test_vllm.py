@@ -91,6 +91,25 @@ def test_a_stale_or_failing_scrape_is_unknown() -> None:
     assert state.current() is None
 
 
+def test_recent_ttft_median_is_taken_once_per_scrape() -> None:
+    """The median of the TTFTs between the last two scrapes; a new scrape gives a new one."""
+    state = ServerState("http://x/metrics", 1.0, clock=lambda: 100.0)
+    base = replace(parse_metrics(PAGE_NEW), scraped_at=99.5)
+    before = Histogram(((0.1, 4.0), (0.5, 9.0), (float("inf"), 10.0)), 10, 2.5)
+    state.previous = replace(base, ttft=before)
+    state.load = replace(
+        base, ttft=Histogram(((0.1, 4.0), (0.5, 19.0), (float("inf"), 20.0)), 20, 6.0)
+    )
+    assert state.recent_ttft_p50() == 0.5
+    state.previous, state.load = (
+        state.load,
+        replace(base, ttft=Histogram(((0.1, 24.0), (0.5, 39.0), (float("inf"), 40.0)), 40, 8.0)),
+    )
+    assert state.recent_ttft_p50() == 0.1  # 20 new TTFTs, all under 0.1 s
+    state.failures = 1
+    assert state.recent_ttft_p50() is None
+
+
 def test_metrics_url_sits_beside_v1() -> None:
     assert metrics_url("http://gpu:8000/v1") == "http://gpu:8000/metrics"
     assert metrics_url("https://h/prefix/v1/") == "https://h/prefix/metrics"
