@@ -71,11 +71,14 @@ def part_of(frame: str) -> str:
     return OTHER
 
 
+_REPO = str(Path(__file__).resolve().parent.parent)  # this checkout, wherever it lies
+
+
 def short(frame: str) -> str:
     """`func (…/site-packages/pkg/mod.py:12)` as `func (pkg/mod.py)`."""
     name, _, where = frame.rpartition(" (")
     path = where.rstrip(")").rpartition(":")[0]
-    for marker in ("site-packages/", "/work/main/", "lib/python3.11/"):
+    for marker in ("site-packages/", f"{_REPO}/", "lib/python3.11/"):
         if marker in path:
             path = path.rpartition(marker)[2]
             break
