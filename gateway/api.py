@@ -800,35 +800,33 @@ class Proxy:
             await _send_error(send, error, call.wire, call.request_id)
             self._responded = True
             return
-        self._opened = opened
-        self._status, self._error_type = 200, None
+        try:  # from here this request owns the committed attempt: closed on every path
+            self._opened = opened
+            self._status, self._error_type = 200, None
+            self._observe(opened)
+            if call.stream:
+                await self._relay(opened, send)
+            else:
+                await self._respond(opened, send)
+        finally:
+            await opened.close()
+
+    def _observe(self, opened: Opened) -> None:
+        """What the committed first token teaches bulk admission and the queue predictor."""
+        call, services = self._call, self._services
         first = opened.tally.first_token_at
-        if (
-            call.priority == "interactive"
-            and call.stream
-            and first is not None
-            and self._policy.ttft_s
-            and services.gate is not None
-        ):
+        if first is None or not call.stream:
+            return
+        if call.priority == "interactive" and self._policy.ttft_s and services.gate is not None:
             # Bulk admission on this deployment follows how interactive first tokens fare.
             services.gate.observe(opened.candidate.id, first - self._t0, self._policy.ttft_s)
-        if opened.candidate.queue is not None and first is not None and call.stream:
+        if opened.candidate.queue is not None:
             services.predictor.observe(
                 opened.candidate.id,
                 prompt_band(len(call.raw)),
                 opened.candidate.queue,
                 first - opened.started,
             )
-        try:
-            if call.stream:
-                await self._relay(opened, send)
-            else:
-                await self._respond(opened, send)
-        finally:
-            services.latency.finished(opened.candidate.id, opened.candidate.model)
-            if opened.hedge_for is not None:
-                services.guards.hedges.release(opened.hedge_for)
-            await opened.stream.aclose()
 
     def _response_headers(self, opened: Opened, content_type: bytes) -> list[tuple[bytes, bytes]]:
         now = time.perf_counter()

@@ -10,6 +10,7 @@ arrives. Every attempt that does not win is closed before `open_first` returns o
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
@@ -29,9 +30,11 @@ from gateway.latency import CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Recorder, Samp
 from gateway.models import Call, Chunk, Usage
 from gateway.providers.base import UpstreamStream, inband_error
 from gateway.providers.request import Prepared, prepare
-from gateway.routing.guards import PROBE_WAIT_S, Guards
+from gateway.routing.guards import PROBE, PROBE_WAIT_S, Guards
 from gateway.routing.plan import Candidate, Plan, Route, deadline, hedge_point
 from gateway.semconv import OPERATIONS
+
+log = logging.getLogger("tailguard")
 
 
 class AttemptTracer(Protocol):
@@ -101,7 +104,7 @@ class Tally:
 
 @dataclass(slots=True)
 class Opened:
-    """A committed attempt. The caller owns `stream` and must `aclose()` it."""
+    """A committed attempt. Its owner must `close()` it (which closes `stream`), on every path."""
 
     candidate: Candidate
     stream: UpstreamStream
@@ -116,6 +119,16 @@ class Opened:
     route: Route = "primary"
     attempt: Attempt | None = None  # the winning attempt
     hedge_for: str | None = None  # the winner is a hedge: its sample and cap belong to this model
+    claims: Claims | None = None  # what the winning attempt holds, given back by `close`
+
+    async def close(self) -> None:
+        """Give back what the attempt holds and close its stream; the owner's last call."""
+        claims, self.claims = self.claims, None
+        try:
+            if claims is not None:
+                claims.release()
+        finally:
+            await self.stream.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,13 +158,55 @@ async def open_first(
     """Start candidates until one commits; the only place failover and hedging happen.
 
     Raises the request's own error (an InvalidRequestError from the first candidate, or a
-    non-retryable ProviderError), CoolingDownError, or AllCandidatesFailedError.
+    non-retryable ProviderError), CoolingDownError, or AllCandidatesFailedError. The caller owns
+    the returned `Opened` and must `close()` it.
     """
     race = _Race(call, plan, policy, headers, recorder, guards, snapshot, inflight, trace)
+    opened: Opened | None = None
     try:
-        return await race.run()
+        opened = await race.run()
     finally:
-        await race.settle()
+        try:
+            await race.settle()
+        except BaseException:
+            if opened is not None:  # cancelled while the losers unwound: nobody else has it
+                await opened.close()
+            raise
+    return opened
+
+
+@dataclass(slots=True, eq=False)
+class Claims:
+    """What one attempt holds: its place in the in-flight count, the breaker's half-open probe
+    when it is the probe, and a hedge slot when it is a hedge. `release` gives all of it back,
+    once, whatever way the attempt ended; its owner calls it (the race for every attempt that
+    does not win, the committed response for the one that does)."""
+
+    deployment: str
+    model: str
+    guards: Guards
+    inflight: InflightTracker | None = None
+    probe: bool = False  # holds the half-open probe and has not yet told the breaker how it went
+    counted: bool = False  # counted in flight
+    hedge_for: str | None = None  # holds a hedge slot of this model
+    released: bool = False
+
+    def verdict(self) -> None:
+        """The breaker was told how the attempt went: the probe is no longer held."""
+        self.probe = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        try:
+            if self.counted and self.inflight is not None:
+                self.inflight.finished(self.deployment, self.model)
+        finally:
+            if self.hedge_for is not None:
+                self.guards.hedges.release(self.hedge_for)
+            if self.probe:
+                self.guards.cooldowns.abandoned(self.deployment)
 
 
 @dataclass(slots=True, eq=False)
@@ -159,9 +214,18 @@ class _Live:
     candidate: Candidate
     attempt: Attempt
     why: Route  # how this attempt came to be tried
+    claims: Claims
+    closed: bool = False  # its outcome is recorded and its claims given back
+
+
+_reaping: set[asyncio.Task[None]] = set()  # cleanups that outlive a cancelled request
 
 
 class _Race:
+    """One request's attempts. Every attempt it starts is in `claimed` until it is closed, and
+    `settle()` (always run, in `open_first`'s `finally`) closes whatever is left: the only
+    attempt that leaves the race unclosed is the winner, whose claims travel in `Opened`."""
+
     def __init__(
         self,
         call: Call,
@@ -184,7 +248,8 @@ class _Race:
         self.snapshot = snapshot
         self.inflight = inflight
         self.queue = deque(plan.candidates)
-        self.live: dict[asyncio.Task[Opened], _Live] = {}
+        self.claimed: list[_Live] = []  # every attempt begun, closed or not
+        self.live: dict[asyncio.Task[Opened], _Live] = {}  # attempts running as tasks
         self.attempts: list[Attempt] = []
         self.errors: list[ProviderError] = []
         self.refused: ProviderError | None = None  # a non-retryable error while others ran
@@ -193,8 +258,8 @@ class _Race:
         self.hedged = False
         self.timer_at: float | None = None  # perf_counter time to rescue `timed`
         self.timed: _Live | None = None
+        self.winner: _Live | None = None
         self.opened: Opened | None = None
-        self.solo: _Live | None = None  # the attempt running inline, if any
         self.cut: list[asyncio.Task[Opened]] = []  # failed-over attempts, unwinding
         end = policy.arrived + policy.ttft_s if policy.ttft_s is not None else None
         self.ttft_end = end if policy.on_ttft_miss != "none" else None
@@ -202,7 +267,7 @@ class _Race:
     async def run(self) -> Opened:
         if self.ttft_end is None:
             return await self._run_in_order()
-        if not self._launch(self.plan.route):
+        if self._launch(self.plan.route) is None:
             raise self._nothing_left()
         while True:
             timeout = None
@@ -235,46 +300,53 @@ class _Race:
             if found is None:
                 raise self._nothing_left()
             live, prepared = found
-            self.solo = live
             try:
                 opened = await _attempt(live.candidate, prepared)
             except Exception as error:
-                self.solo = None
                 self._failed(live, error)
                 if not self.queue or not self.guards.retries.acquire():
                     raise self._nothing_left() from None
                 self.retries += 1
                 why = "error_fallback"
                 continue
-            self.solo = None
             return self._won(live, opened)
 
     # -- starting attempts --
 
-    def _launch(self, why: Route) -> bool:
-        """Start the next candidate that can be tried, as a task; False if none is left."""
-        found = self._next(why)
+    def _launch(self, why: Route, *, hedge_for: str | None = None) -> _Live | None:
+        """Start the next candidate that can be tried, as a task; None if none is left."""
+        found = self._next(why, hedge_for=hedge_for)
         if found is None:
-            return False
+            return None
         live, prepared = found
         task = asyncio.create_task(_attempt(live.candidate, prepared))
         self.live[task] = live
         self._arm(live, live.attempt.started)
-        return True
+        return live
 
-    def _next(self, why: Route) -> tuple[_Live, Prepared] | None:
-        """The next candidate that can be tried, counted as started; None if none is left."""
+    def _next(self, why: Route, *, hedge_for: str | None = None) -> tuple[_Live, Prepared] | None:
+        """The next candidate that can be tried, counted as started; None if none is left.
+
+        Its claims are registered before anything that can fail, so `settle` finds them."""
         while self.queue:
             candidate = self.queue.popleft()
-            if not self.guards.cooldowns.begin(candidate.id):
+            admitted = self.guards.cooldowns.begin(candidate.id)
+            if not admitted:
                 self.cooling_skipped = True
                 continue
+            claims = Claims(
+                candidate.id, candidate.model, self.guards, self.inflight, probe=admitted is PROBE
+            )
+            attempt = Attempt(
+                candidate.id, candidate.model, time.perf_counter(), hedge=why == "hedge"
+            )
+            live = _Live(candidate, attempt, why, claims)
+            self.claimed.append(live)
             headers = self.headers
-            span = None
             trace = self.trace
             if trace is not None:
                 provider = candidate.provider
-                span, traceparent = trace.attempt(
+                attempt.span, traceparent = trace.attempt(
                     operation=OPERATIONS.get(self.call.endpoint, self.call.endpoint),
                     model=candidate.deployment.model,
                     provider=provider.system,
@@ -287,21 +359,18 @@ class _Race:
                     self.call, candidate.provider, candidate.deployment.model, headers
                 )
             except InvalidRequestError as error:
-                if trace is not None:
-                    trace.end_attempt(span, outcome="skipped", error_type=error.code)
-                self.guards.cooldowns.abandoned(candidate.id)
+                self._close(live, "skipped", span_error=error.code)
                 if not self.attempts and candidate is self.plan.candidates[0]:
                     raise  # the first choice cannot take the request: the request is at fault
                 continue  # a fallback that cannot express this request is skipped
-            attempt = Attempt(
-                candidate.id, candidate.model, time.perf_counter(), hedge=why == "hedge", span=span
-            )
             if trace is not None:
-                trace.capture_prompt(span, self.call.body)
+                trace.capture_prompt(attempt.span, self.call.body)
             self.attempts.append(attempt)
             if self.inflight is not None:
                 self.inflight.started(candidate.id, candidate.model)
-            return _Live(candidate, attempt, why), prepared
+                claims.counted = True
+            claims.hedge_for = hedge_for
+            return live, prepared
         return None
 
     def _arm(self, live: _Live, now: float) -> None:
@@ -333,42 +402,42 @@ class _Race:
             policy.model, policy.hedge_fraction, self.snapshot
         ):
             self.hedged = True  # before the launch: a hedge gets no timer of its own
-            if not self._launch("hedge"):
-                self.hedged = False
-                self.guards.hedges.refund(policy.model)
+            hedge = None
+            try:
+                hedge = self._launch("hedge", hedge_for=policy.model)
+            finally:
+                if hedge is None:  # none could start (or starting one failed): not a hedge
+                    self.hedged = False
+                    self.guards.hedges.refund(policy.model)
             return
         # Failover (or a hedge over its cap): a new attempt, within the retry budget.
         if not self.guards.retries.acquire():
             return  # keep waiting on the slow one
         self.retries += 1
-        if not self._launch("ttft_failover"):
-            self.retries -= 1
-            self.guards.retries.release()
-            return
+        if self._launch("ttft_failover") is None:
+            return  # the token goes back with the others when the race settles
         for task, live in list(self.live.items()):
             if live is slow:
                 del self.live[task]
                 task.cancel()  # its stream is closed as the task unwinds, right away
                 self.cut.append(task)
-                self._ended(live, TTFT_DEADLINE)
+                self._close(live, TTFT_DEADLINE)
 
     def _failover(self) -> bool:
         """Every attempt failed: start the next candidate, within the retry budget."""
         if not self.queue or not self.guards.retries.acquire():
             return False
         self.retries += 1
-        if self._launch("error_fallback"):
-            return True
-        self.retries -= 1
-        self.guards.retries.release()
-        return False
+        return self._launch("error_fallback") is not None
 
     # -- ending attempts --
 
     def _won(self, live: _Live, opened: Opened) -> Opened:
-        self.opened = opened
+        self.winner, self.opened = live, opened
         live.attempt.outcome = "won"
         self.guards.cooldowns.succeeded(live.candidate.id)
+        live.claims.verdict()
+        opened.claims = live.claims  # from here the response owns them
         opened.attempts = self.attempts
         opened.started = live.attempt.started
         opened.route = live.why
@@ -381,73 +450,81 @@ class _Race:
     def _failed(self, live: _Live, error: BaseException) -> None:
         if not isinstance(error, ProviderError):
             # A bug or an unexpected library error: end the race with it.
-            self._ended(live, "error:internal")
+            self._close(live, "error:internal")
             raise error
         kind = error.kind or "error"
         if not error.retryable:
             if not self.live:
-                self._ended(live, f"error:{kind}")
+                self._close(live, f"error:{kind}")
                 raise error  # the request itself was refused: not the deployment's failure
             self.refused = self.refused or error
         else:
             self.errors.append(error)
             self.guards.cooldowns.failed(live.candidate.id, error)
-        self._ended(live, f"error:{kind}", error=kind if error.retryable else None)
+            live.claims.verdict()
+        self._close(live, f"error:{kind}", error=kind if error.retryable else None)
 
-    def _ended(self, live: _Live, outcome: str, *, error: str | None = None) -> None:
-        attempt = live.attempt
+    def _close(
+        self, live: _Live, outcome: str, *, error: str | None = None, span_error: str | None = None
+    ) -> None:
+        """Record how an attempt that did not win ended, and give back what it held (once)."""
+        if live.closed:
+            return
+        live.closed = True
+        attempt, candidate = live.attempt, live.candidate
         attempt.ended = time.perf_counter()
         attempt.outcome = outcome
-        candidate = live.candidate
-        if self.inflight is not None:
-            self.inflight.finished(candidate.id, candidate.model)
-        if outcome in (TTFT_DEADLINE, HEDGE_LOST, CANCELLED):
-            self.guards.cooldowns.abandoned(candidate.id)
-            error = outcome
-        hedge_for = self.policy.model if attempt.hedge else None
-        if error is not None:
-            self.recorder.record(
-                Sample(
-                    candidate.id,
-                    candidate.model,
-                    ok=False,
-                    total_s=attempt.ended - attempt.started,
-                    error=error,
-                    hedge_for=hedge_for,
-                    endpoint=self.call.endpoint,
+        try:
+            live.claims.release()
+        finally:
+            if outcome in (TTFT_DEADLINE, HEDGE_LOST, CANCELLED):
+                error = outcome
+            hedge_for = self.policy.model if attempt.hedge else None
+            if error is not None:
+                self.recorder.record(
+                    Sample(
+                        candidate.id,
+                        candidate.model,
+                        ok=False,
+                        total_s=attempt.ended - attempt.started,
+                        error=error,
+                        hedge_for=hedge_for,
+                        endpoint=self.call.endpoint,
+                    )
                 )
-            )
-        if hedge_for is not None:
-            self.guards.hedges.release(hedge_for)
-        if attempt.span is not None and self.trace is not None:
-            failed = outcome.startswith("error:")
-            self.trace.end_attempt(
-                attempt.span, outcome=outcome, error_type=outcome[6:] if failed else None
-            )
+            if attempt.span is not None and self.trace is not None:
+                failed = outcome.startswith("error:")
+                self.trace.end_attempt(
+                    attempt.span,
+                    outcome=outcome,
+                    error_type=span_error or (outcome[6:] if failed else None),
+                )
 
     async def settle(self) -> None:
-        """Close every attempt but the winner, and give back the retry budget."""
+        """Close every attempt but the winner, and give back the retry budget.
+
+        What the attempts hold is given back before the first await, so a cancellation while
+        their tasks unwind cannot leak it; the unwinding itself finishes in the background."""
         if self.retries:
             self.guards.retries.release(self.retries)
             self.retries = 0
-        if self.solo is not None:  # cancelled while running inline (its stream is closed)
-            self._ended(self.solo, CANCELLED)
-            self.solo = None
-        if self.cut:
-            await asyncio.gather(*self.cut, return_exceptions=True)
-        if not self.live:
-            return
-        losers = list(self.live.items())
+        losers = list(self.live)
         self.live.clear()
-        for task, _ in losers:
+        for task in losers:
             task.cancel()
-        await asyncio.gather(*(task for task, _ in losers), return_exceptions=True)
         winner = self.opened
-        for task, live in losers:
-            if not task.cancelled() and task.exception() is None:
-                await task.result().stream.aclose()  # finished in the same instant: too late
+        for live in self.claimed:
+            if live is self.winner or live.closed:
+                continue
             beaten = winner is not None and live.attempt.started < winner.started
-            self._ended(live, HEDGE_LOST if beaten else CANCELLED)
+            self._close(live, HEDGE_LOST if beaten else CANCELLED)
+        unwinding = self.cut + losers
+        if not unwinding:
+            return
+        reap = asyncio.create_task(_reap(unwinding))
+        _reaping.add(reap)
+        reap.add_done_callback(_reaping.discard)
+        await asyncio.shield(reap)
 
     def _nothing_left(self) -> GatewayError:
         if self.refused is not None and not self.errors:
@@ -464,6 +541,18 @@ class _Race:
         if wait is not None and wait.isdigit() and int(wait) > cap:
             failed.headers["retry-after"] = str(cap)
         return failed
+
+
+async def _reap(tasks: list[asyncio.Task[Opened]]) -> None:
+    """Wait for cancelled attempts to unwind; close the stream of any that committed anyway
+    (it finished in the same instant as the winner: too late)."""
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is None:
+            try:
+                await task.result().stream.aclose()
+            except Exception:
+                log.warning("closing a late attempt's stream failed", exc_info=True)
 
 
 async def _attempt(candidate: Candidate, prepared: Prepared) -> Opened:

@@ -6,6 +6,7 @@ monotonic clock so tests can drive it.
 
 from __future__ import annotations
 
+import enum
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -19,6 +20,17 @@ from gateway.latency import TTFT_DEADLINE, Snapshot
 _NOTHING: Mapping[str, float] = MappingProxyType({})
 PROBE_WAIT_S = 1.0
 """What `cooling` reports for a deployment whose half-open probe is still out."""
+
+
+class Admission(enum.IntEnum):
+    """What `Cooldowns.begin` allows (falsy when the attempt may not start)."""
+
+    DENIED = 0
+    FREE = 1  # the breaker is closed, or its cooldown is over and the probe already answered
+    PROBE = 2  # this attempt is the half-open probe: its owner must report or abandon it
+
+
+DENIED, FREE, PROBE = Admission.DENIED, Admission.FREE, Admission.PROBE
 
 
 @dataclass(slots=True)
@@ -71,15 +83,20 @@ class Cooldowns:
                 found[deployment] = PROBE_WAIT_S
         return found
 
-    def begin(self, deployment: str) -> bool:
-        """An attempt is about to start; False if it may not (claims the half-open probe)."""
+    def begin(self, deployment: str) -> Admission:
+        """An attempt is about to start: DENIED if it may not, PROBE if it claimed the half-open
+        probe (then `succeeded`, `failed` or `abandoned` must follow), else FREE."""
         state = self._states.get(deployment)
         if state is None or not state.tripped:
-            return True
+            return FREE
         if state.probing or state.until > self._clock():
-            return False
+            return DENIED
         state.probing = True
-        return True
+        return PROBE
+
+    def probes_out(self) -> int:
+        """Half-open probes currently claimed (zero whenever no attempt is in flight)."""
+        return sum(1 for state in self._states.values() if state.probing)
 
     def succeeded(self, deployment: str) -> None:
         if not self._states:
@@ -194,6 +211,10 @@ class HedgeBudget:
         """The hedge ended (and is about to be recorded in the statistics)."""
         self._inflight[model] -= 1
         self._ended[model] = self._ended.get(model, 0) + 1
+
+    def held(self) -> int:
+        """Hedges of this process in flight, over every model."""
+        return sum(self._inflight.values())
 
     def refund(self, model: str) -> None:
         """The hedge could not be started after all."""
