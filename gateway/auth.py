@@ -14,10 +14,11 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import secrets
 from dataclasses import dataclass
 
-from gateway.config import AuthSpec, KeySpec
+from gateway.config import AuthSpec, KeySpec, Settings
 from gateway.errors import AuthenticationError, PermissionDeniedError
 
 KEY_PREFIX = "tg-"
@@ -154,3 +155,20 @@ def new_key() -> tuple[str, str]:
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposed_without_keys(settings: Settings) -> bool:
+    """Whether `settings` would serve beyond loopback with no API keys and nothing allows it
+    (`server.allow_unauthenticated`): refused at start-up, and refused on reload."""
+    keys = settings.auth is not None and settings.auth.enabled
+    server = settings.server
+    return not keys and not is_loopback(server.host) and not server.allow_unauthenticated

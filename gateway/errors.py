@@ -34,6 +34,7 @@ from collections.abc import Mapping
 import orjson
 
 from gateway.models import Wire
+from gateway.numbers import wait_or_none
 from gateway.sse import frame
 
 
@@ -108,6 +109,8 @@ class OverloadedError(GatewayError):
     status, type, code = 503, "server_error", "overloaded"
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        wait = wait_or_none(retry_after_s)  # an infinite or NaN wait cannot be rounded
+        retry_after_s = 1.0 if wait is None else wait
         super().__init__(message, headers={"retry-after": str(max(1, math.ceil(retry_after_s)))})
         self.retry_after_s = retry_after_s
 
@@ -164,7 +167,8 @@ class RateLimitedError(ProviderError):
         kind: str | None = None,
     ) -> None:
         super().__init__(message, deployment=deployment, upstream_status=upstream_status, kind=kind)
-        self.retry_after_s = retry_after_s
+        # Clamped here too: an infinite or NaN wait cannot be rounded into a header.
+        self.retry_after_s = retry_after_s = wait_or_none(retry_after_s)
         if retry_after_s is not None:
             self.headers["retry-after"] = str(max(1, round(retry_after_s)))
 
@@ -267,6 +271,22 @@ class StreamInterruptedError(GatewayError):
     """An upstream failed after the first byte reached the client."""
 
     status, type, code = 502, "server_error", "upstream_stream_error"
+
+
+# --- quoting client input ------------------------------------------------------------------------
+
+QUOTE_CHARS = 64
+"""The most of a client-supplied value (a model name, a field's value) an error message quotes."""
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """`value` as an error message may quote it: its repr, cut to `limit` characters (a client
+    may send megabytes where a name is expected; the message would echo them all)."""
+    if isinstance(value, str) and len(value) > limit:
+        value = value[:limit]  # cut before repr: cheap on a huge string
+        return f"{value!r}... ({limit} characters shown)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({limit} characters shown)"
 
 
 # --- scrubbing -----------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ Endpoint = Literal["chat", "completions", "embeddings", "messages"]
 """What the client asked for: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`,
 `/v1/messages` (Anthropic)."""
 
+MAX_JSON_DEPTH = 128
+"""How deeply a request body may nest (the body object is level 1). orjson serialises at most
+254 levels; the margin covers translation between wires, which adds a level or two, and stays
+below the 200 of parsers built on pydantic-core (vLLM's, among others)."""
+
 ENDPOINT_WIRE: dict[Endpoint, Wire] = {
     "chat": "openai",
     "completions": "openai",

@@ -1,12 +1,24 @@
-"""uvicorn's httptools protocol with the two limits it lacks: header size and header deadline.
+"""uvicorn's httptools protocol with the limits it lacks on what a client may hold open.
 
 uvicorn buffers a request's headers without bound and waits for them forever on a new
 connection, so one client trickling bytes (slow-loris) or sending megabytes of headers holds a
 connection and its memory. Here a request whose headers exceed `server.max_header_bytes` gets a
 431, and one whose headers are not complete within `server.read_timeout_s` of its first byte
 (or of the connection, for the first request) gets a 408; both close the connection. The body's
-deadline is the app's (see `read_body` in gateway/api.py). Idle keep-alive connections are
-closed by uvicorn itself after `timeout_keep_alive`.
+deadline is the app's (see `read_body` in gateway/api.py).
+
+Two more holes are closed:
+- An answer sent before its request's body was all received (a 401, 413 or 408, or any route
+  that ignores a body) says `connection: close` and closes: the rest of that body would
+  otherwise be read and dropped for as long as the client cares to send it. The close is
+  staged, as after every refusal here: the answer is followed by a FIN, what the client still
+  sends is dropped until it closes, goes `server.keepalive_timeout_s` without sending, or
+  `server.read_timeout_s` has passed. (Closing with bytes unread sends a reset, which can
+  destroy the answer before the client has read it.)
+- An idle keep-alive connection is closed `server.keepalive_timeout_s` after its last response.
+  uvicorn restarts that wait on every byte received; here only the start of a request stops it,
+  and that request's headers then have the header deadline.
+Malformed requests get uvicorn's 400, in the OpenAI shape like every other error.
 
 Serve with `uvicorn.Config(..., http="gateway.protocol:GuardedHttpToolsProtocol")`; the limits
 come from the running gateway's config (the lifespan state), with the defaults otherwise.
@@ -18,17 +30,45 @@ import asyncio
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.config import ServerSpec
-from gateway.errors import GatewayError, HeadersTooLargeError, RequestTimeoutError, render
+from gateway.errors import (
+    GatewayError,
+    HeadersTooLargeError,
+    InvalidRequestError,
+    RequestTimeoutError,
+    render,
+)
 
 _DEFAULTS = ServerSpec()
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+}
 
 
 class _RefusedError(Exception):
     """Raised from a parser callback to stop parsing a request already answered."""
+
+
+class _StagedClose(asyncio.Transport):
+    """The transport as a request whose body is still arriving sees it: when uvicorn closes
+    the connection after that request's answer, the close is the protocol's staged one."""
+
+    def __init__(self, protocol: GuardedHttpToolsProtocol) -> None:
+        super().__init__()
+        self._protocol = protocol
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._protocol.transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._protocol.transport.is_closing()
+
+    def close(self) -> None:
+        self._protocol.close_after_answer()
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -40,9 +80,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             spec = runtime.services.settings.server
         self._max_header_bytes = spec.max_header_bytes
         self._read_timeout_s = spec.read_timeout_s
+        self.timeout_keep_alive = spec.keepalive_timeout_s  # type: ignore[assignment]
         self._header_bytes = 0
         self._header_timer: asyncio.TimerHandle | None = None
-        self._refused = False
+        self._refused = False  # answered and closing: what arrives is dropped
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_until = 0.0
+        self._in_headers = False  # a request has begun and its headers are not complete
+        # The request whose body is still arriving, its keep-alive held back until it is in.
+        self._body_pending: RequestResponseCycle | None = None
+        self._keep_alive = False  # what that request's keep-alive will be once its body is in
+        self._staged = _StagedClose(self)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -50,21 +98,24 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        # uvicorn's own, except that a refusal (already answered) is not also a 400.
+        # uvicorn's own, except that what arrives after an answer that closes is dropped (and a
+        # refusal is not also a 400), and that the keep-alive timer is left alone: bytes that
+        # begin no request must not keep an idle connection open.
         if self._refused:
+            self._linger()
             return
-        self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except httptools.HttpParserError as exc:
             if self._refused:
                 return
-            message = "Invalid HTTP request received."
-            self.logger.warning(message)
-            self.send_400_response(message)
+            self.logger.warning("Invalid HTTP request received: %s.", exc)
+            self.send_400_response(f"The request is not valid HTTP/1.1: {exc}.")
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
@@ -73,6 +124,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._unset_keepalive_if_required()  # no longer idle: the header deadline applies
+        self._in_headers = True
         self._header_bytes = len(self.url)
         self._arm()
 
@@ -86,7 +139,55 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._in_headers = False
+        previous = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not previous:
+            # Whether the connection is kept depends on the body being all in before the
+            # answer starts: until then an answer says `connection: close`, and its close is
+            # staged. The app has not run yet (its task is only scheduled), and a request
+            # without a body completes in this same parse.
+            self._keep_alive = cycle.keep_alive
+            cycle.keep_alive = False
+            cycle.transport = self._staged
+            self._body_pending = cycle
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        cycle = self._body_pending
+        if cycle is not None:
+            self._body_pending = None
+            if not cycle.response_started:
+                cycle.keep_alive = self._keep_alive
+                cycle.transport = self.transport
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._refused:
+            self._unset_keepalive_if_required()  # the staged close has its own deadline
+        elif self._in_headers and not self.transport.is_closing():
+            # The next request began while this one was answered: not idle, and its header
+            # deadline (suspended while a response was being sent) runs from now.
+            self._unset_keepalive_if_required()
+            self._arm()
+
+    def shutdown(self) -> None:
+        self._body_pending = None  # shutting down: no connection is kept any more
+        super().shutdown()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request the parser rejected, in the OpenAI shape."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # A request in flight (its body was malformed): the app must not answer as well,
+            # and an answer it has begun cannot be followed by another.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:
+                self.transport.close()
+                return
+        self._refuse(InvalidRequestError(msg, code="invalid_http_request"))
 
     def _count(self, size: int) -> None:
         self._header_bytes += size
@@ -120,11 +221,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _refuse(self, error: GatewayError) -> None:
         if self._refused or self.transport.is_closing():
             return
-        self._refused = True
-        self._disarm()
         body = render(error, "openai")
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s" % (error.status, _REASONS[error.status], len(body), body)
         )
-        self.transport.close()
+        self.close_after_answer()
+
+    def close_after_answer(self) -> None:
+        """Close the connection without risking the answer just written: end our side, then
+        drop what the client still sends until it closes, goes quiet for the keep-alive
+        timeout, or the read timeout has passed (see the module's docstring)."""
+        transport = self.transport
+        if self._refused or transport.is_closing():
+            return
+        self._refused = True
+        self._disarm()
+        self._unset_keepalive_if_required()
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self.flow.resume_reading()
+        self._linger_until = self.loop.time() + self._read_timeout_s
+        self._linger()
+
+    def _linger(self) -> None:
+        """(Re)start the wait for the client's next byte, within the staged close's deadline."""
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        left = min(float(self.timeout_keep_alive), self._linger_until - self.loop.time())
+        self._linger_timer = self.loop.call_later(max(left, 0.0), self.transport.close)

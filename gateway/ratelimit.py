@@ -3,12 +3,17 @@
 Each limit is a token bucket that holds a minute's allowance and refills continuously, so a key
 can burst up to its limit and then goes at the limit's rate. With Redis, both of a key's buckets
 are checked and charged by one Lua script: one round trip, atomic across replicas, timed by
-Redis's own clock. A request is charged its estimated tokens when admitted; `settle` corrects
-the charge with the tokens the upstream reported, in the background.
+Redis's own clock. A request is charged its estimated tokens when admitted (what it may write:
+its max_tokens, else what its model is expected to write); `settle` corrects the charge with the
+tokens the upstream reported, in the background. Usage beyond the charge is owed: the bucket goes
+below zero and the key is refused until it has refilled, however long that takes.
 
-When Redis fails or is slower than `timeout_ms`, a breaker stops asking it for a while (1 s,
-doubling to 30 s) and the policy decides: `open` enforces the same limits in this process alone,
-`closed` refuses the request with 503. No request waits longer than the timeout.
+When Redis fails or is slower than `timeout_ms`, a breaker stops asking it for a while and the
+policy decides: `open` enforces the same limits in this process alone, `closed` refuses the
+request with 503. The breaker opens once per outage (the checks that fail together are one
+failure), for 1 s, doubling with each failed probe to 30 s; after the cooldown one check probes
+Redis while the others are decided without it, and a probe that succeeds closes the breaker.
+The timeout counts Redis's time, not this process's: see `_Deadline`.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from redis.exceptions import RedisError
 from gateway.auth import Principal
 from gateway.config import RateLimitSpec, Settings
 from gateway.errors import KeyRateLimitedError, OverloadedError
-from gateway.latency import RedisClient, connect_redis
-from gateway.models import Wire
+from gateway.latency import LatencyStore, RedisClient, connect_redis
+from gateway.models import Call, Wire
 
 log = logging.getLogger("tailguard")
 
@@ -64,11 +69,13 @@ local out = {allowed}
 for i = 1, 2 do
   if limit[i] > 0 then
     local l = level[i]
-    if allowed == 1 then l = math.max(-limit[i], math.min(limit[i], l - cost[i])) end
+    if allowed == 1 then l = math.min(limit[i], l - cost[i]) end
+    local full = math.ceil((limit[i] - l) * 60000 / limit[i])
     redis.call('HSET', KEYS[i], 'l', tostring(l), 't', now)
-    redis.call('PEXPIRE', KEYS[i], 120000)
+    -- A missing bucket is a full one: keep this one until it is, so that no debt is forgiven.
+    redis.call('PEXPIRE', KEYS[i], full + 1000)
     out[#out + 1] = math.floor(l)
-    out[#out + 1] = math.ceil((limit[i] - l) * 60000 / limit[i])
+    out[#out + 1] = full
     out[#out + 1] = wait[i]
   else
     out[#out + 1] = 0
@@ -189,7 +196,7 @@ class LocalBuckets:
                 continue
             level = levels[i]
             if allowed:
-                level = max(-limit, min(limit, level - cost))
+                level = min(float(limit), level - cost)  # below zero: owed, never forgiven
             self._levels[(name, i)] = (level, now)
             out += [math.floor(level), (limit - level) * _WINDOW_MS / limit, waits[i] * 1000]
         return out
@@ -208,27 +215,63 @@ class RateLimiter:
         self._redis = redis
         self._timeout_s = spec.timeout_ms / 1000
         self._fail_open = spec.on_store_error == "open"
+        self._default_output = spec.default_output_tokens
         self._clock = clock
         self._local = LocalBuckets(clock)
         self._script = redis.register_script(_SCRIPT) if redis is not None else None
-        self._retry_at = 0.0  # while Redis is in its breaker's cooldown
+        # The breaker: closed while `_backoff_s` is 0; else open until `_retry_at`, then
+        # half-open (one probe at a time) until a probe succeeds.
+        self._retry_at = 0.0
         self._backoff_s = 0.0
+        self._probing = False
         self._settling: set[asyncio.Task[None]] = set()
-        self.store_errors = 0
+        self.store_errors = 0  # checks the store failed to answer
+        self.outages = 0  # times the breaker opened: one per failure episode
+        self.loop_lag_waits = 0  # checks given more time because this process's loop was late
         self.refused: dict[tuple[str, str], int] = {}  # by (key name, requests | tokens)
 
     @property
     def store(self) -> str:
         return "redis" if self._redis is not None else "memory"
 
+    @property
+    def degraded(self) -> bool:
+        """Whether limits are decided without Redis (per replica, or refused): from the
+        breaker's opening until a probe finds Redis answering again."""
+        return self._redis is not None and self._backoff_s > 0
+
     def health(self) -> dict[str, Any]:
-        degraded = self._redis is not None and self._clock() < self._retry_at
+        """The rate-limit part of `/readyz`."""
+        retry_in = None
+        if self.degraded:
+            retry_in = round(max(0.0, self._retry_at - self._clock()), 3)
         return {
             "store": self.store,
-            "degraded": degraded,
+            "degraded": self.degraded,
             "on_store_error": "open" if self._fail_open else "closed",
             "store_errors": self.store_errors,
+            "outages": self.outages,
+            "retry_in_s": retry_in,  # until the next probe of Redis (0: the next check probes)
+            "loop_lag_waits": self.loop_lag_waits,
         }
+
+    def estimate(self, principal: Principal, call: Call, latency: LatencyStore) -> tuple[int, int]:
+        """The prompt tokens, and all the tokens, `call` is charged when admitted (see
+        `estimate_tokens`). Without a max_tokens (the key's cap is set on the call already),
+        its model is expected to write the mean output length in the latency window, else the
+        configured default; that expectation is capped so that the request alone fits the
+        key's tpm (a guess must not refuse a request for good: the excess is owed instead)."""
+        if call.endpoint == "embeddings":
+            return estimate_tokens(call.raw, 0, 1, expected_output=0)
+        if call.max_tokens is not None:
+            return estimate_tokens(call.raw, call.max_tokens, call.n, expected_output=0)
+        stats = latency.snapshot.models.get(call.model)
+        seen = stats.output_tokens if stats is not None else None
+        expected = math.ceil(seen) if seen else self._default_output
+        if principal.tpm is not None:
+            prompt = estimate_tokens(call.raw, 0, 1, expected_output=0)[0]
+            expected = min(expected, max(1, (principal.tpm - prompt) // max(1, call.n)))
+        return estimate_tokens(call.raw, None, call.n, expected_output=expected)
 
     async def take(self, principal: Principal, tokens: int, wire: Wire = "openai") -> Verdict:
         """Charge one request and `tokens` to the key, or refuse. Raises KeyRateLimitedError,
@@ -274,18 +317,45 @@ class RateLimiter:
     async def _call(
         self, name: str, limits: tuple[int, int], costs: tuple[int, int], *, check: bool
     ) -> tuple[list[Any], str]:
-        if self._script is None or self._clock() < self._retry_at:
+        if self._script is None:
             return self._fallback(name, limits, costs, check)
+        probe = self._backoff_s > 0
+        if probe and (self._probing or self._clock() < self._retry_at):
+            return self._fallback(name, limits, costs, check)
+        # A failure opens the breaker only if it did not open meanwhile: one outage, one opening.
+        outage = self.outages
+        if probe:
+            self._probing = True
         keys = [f"tg:rl:{{{name}}}:requests", f"tg:rl:{{{name}}}:tokens"]
         args = [limits[0], limits[1], costs[0], costs[1], 1 if check else 0]
         try:
-            async with asyncio.timeout(self._timeout_s):
-                out = await self._script(keys=keys, args=args)
+            out = await self._run(keys, args)
         except (RedisError, OSError, TimeoutError) as exc:
-            self._trip(exc)
+            self.store_errors += 1
+            if outage == self.outages:
+                self._trip(exc)
             return self._fallback(name, limits, costs, check)
-        self._backoff_s = 0.0
+        finally:
+            if probe:
+                self._probing = False
+        # Closed, unless the breaker opened while this check was under way: the checks begun
+        # since may be failing.
+        if outage == self.outages:
+            self._backoff_s = 0.0
         return [int(v) for v in out], "redis"
+
+    async def _run(self, keys: list[str], args: list[int]) -> Any:
+        """The script's round trip, given `timeout_ms` of Redis's time (see `_Deadline`)."""
+        script = self._script
+        assert script is not None
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(None) as scope:
+            deadline = _Deadline(loop, scope, self._timeout_s)
+            try:
+                return await script(keys=keys, args=args)
+            finally:
+                deadline.cancel()
+                self.loop_lag_waits += deadline.extended
 
     def _fallback(
         self, name: str, limits: tuple[int, int], costs: tuple[int, int], check: bool
@@ -298,7 +368,7 @@ class RateLimiter:
         return self._local.take(name, limits, costs, check), "local"
 
     def _trip(self, exc: BaseException) -> None:
-        self.store_errors += 1
+        self.outages += 1
         self._backoff_s = min(30.0, max(1.0, self._backoff_s * 2))
         # Jitter, so replicas that failed together do not all come back in the same instant.
         self._retry_at = self._clock() + self._backoff_s * random.uniform(0.8, 1.0)
@@ -317,6 +387,53 @@ class RateLimiter:
             await self._redis.aclose()
 
 
+def _max_wait_s(timeout_s: float) -> float:
+    """The longest a check may wait on Redis while the loop is late: 10x the timeout, at most
+    1 s more than it."""
+    return timeout_s + min(9 * timeout_s, 1.0)
+
+
+class _Deadline:
+    """Expires an `asyncio.timeout` scope once Redis has had `timeout_s` to answer, counted
+    while this process's event loop could have read the answer.
+
+    A plain timeout counts the loop's own lag: on a saturated or briefly blocked loop the timer
+    fires after Redis's answer arrived but before the loop read it (and redis-py's
+    socket_timeout is the same kind of asyncio timer, so it cannot tell them apart either). A
+    timer that fires more than a tenth of the timeout late says the loop, not Redis, was slow:
+    since that loop turn has already polled the sockets, an answer that arrived meanwhile is
+    being read, so the wait is extended by the timeout, counted from now, up to `_max_wait_s`.
+    A timer that fires on time expires the scope on the loop's next turn, so that an answer
+    read on this one still wins.
+    """
+
+    __slots__ = ("_due", "_give_up_at", "_handle", "_loop", "_scope", "_timeout_s", "extended")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, scope: asyncio.Timeout, timeout_s: float
+    ) -> None:
+        now = loop.time()
+        self._loop = loop
+        self._scope = scope
+        self._timeout_s = timeout_s
+        self._due = now + timeout_s
+        self._give_up_at = now + _max_wait_s(timeout_s)
+        self._handle = loop.call_at(self._due, self._fire)
+        self.extended = 0
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        if now - self._due > self._timeout_s / 10 and self._due < self._give_up_at:
+            self.extended += 1
+            self._due = min(now + self._timeout_s, self._give_up_at)
+            self._handle = self._loop.call_at(self._due, self._fire)
+        else:
+            self._scope.reschedule(now)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 def _verdict(out: list[Any], limits: tuple[int, int], source: str) -> Verdict:
     buckets: list[Bucket | None] = []
     for i, limit in enumerate(limits):
@@ -328,7 +445,9 @@ def _verdict(out: list[Any], limits: tuple[int, int], source: str) -> Verdict:
     return Verdict(bool(out[0]), buckets[0], buckets[1], source)
 
 
-def open_rate_limiter(settings: Settings) -> RateLimiter:
+def open_rate_limiter(
+    settings: Settings, *, clock: Callable[[], float] = time.monotonic
+) -> RateLimiter:
     """The process's limiter, on Redis when the config says so (see `RateLimitSpec.store`)."""
     auth = settings.auth
     spec = auth.rate_limits if auth is not None else RateLimitSpec()
@@ -339,21 +458,28 @@ def open_rate_limiter(settings: Settings) -> RateLimiter:
     )
     redis = None
     if limited and use_redis and url is not None:
+        # The limiter's own deadline decides when a check has waited too long; redis-py's
+        # timeouts (asyncio timers too, blind to the loop's lag) only back it up.
+        timeout_s = spec.timeout_ms / 1000
         redis = connect_redis(
             url.get_secret_value(),
-            timeout_s=spec.timeout_ms / 1000,
+            timeout_s=_max_wait_s(timeout_s) + timeout_s,
             max_connections=32,
             wait_for_connection=True,
         )
-    return RateLimiter(spec, redis)
+    return RateLimiter(spec, redis, clock=clock)
 
 
-def estimate_tokens(raw_body: bytes, max_tokens: int | None, n: int) -> tuple[int, int]:
+def estimate_tokens(
+    raw_body: bytes, max_tokens: int | None, n: int, *, expected_output: int
+) -> tuple[int, int]:
     """The prompt tokens, and all the tokens, a request is charged when admitted, before its
     usage is known: about four bytes of JSON per prompt token (over-counting the JSON around the
-    prompt), plus every output token it may ask for."""
+    prompt), plus for every choice the output tokens it may ask for, or without a max_tokens,
+    `expected_output` (at least one: a request that may write is never charged nothing)."""
     prompt = max(1, len(raw_body) // 4)
-    return prompt, prompt + (max_tokens or 0) * max(1, n)
+    output = max(1, expected_output) if max_tokens is None else max_tokens
+    return prompt, prompt + output * max(1, n)
 
 
 class Admission:

@@ -1,16 +1,35 @@
 """Request checks at the edge: just the fields the gateway relies on, with OpenAI-style messages.
 
-Everything else in a body is the upstream's business and is forwarded untouched.
+Everything else in a body is the upstream's business and is forwarded untouched, so every body
+accepted must be one that can be forwarded and that means to the upstream what it meant here:
+nested at most `MAX_JSON_DEPTH` levels (so any path may re-serialise or translate it), and with
+no key twice in one object (parsers differ on which one counts; the gateway checks the last).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
 import orjson
 
-from gateway.errors import InvalidRequestError
-from gateway.models import Call, Endpoint
+from gateway.errors import QUOTE_CHARS, InvalidRequestError, quote
+from gateway.models import MAX_JSON_DEPTH, Call, Endpoint
+
+__all__ = ["MAX_JSON_DEPTH", "OUTPUT_LENGTH_FIELDS", "parse_call"]
+
+_ORJSON_MAX_DEPTH: Final = 254
+# Serialising the body inside this many arrays fails exactly when it is nested too deeply.
+_WRAPPING: Final = _ORJSON_MAX_DEPTH - MAX_JSON_DEPTH
+
+OUTPUT_LENGTH_FIELDS: Final[dict[Endpoint, tuple[str, ...]]] = {
+    # vLLM takes `max_completion_tokens or max_tokens`: both are output lengths, each is capped.
+    "chat": ("max_completion_tokens", "max_tokens"),
+    "completions": ("max_tokens",),
+    "embeddings": (),
+    "messages": ("max_tokens",),
+}
+"""The fields of a body, by endpoint, whose value is the output length the request asks for."""
 
 _TYPE_NAMES: Final[dict[type, str]] = {
     str: "a string",
@@ -91,17 +110,61 @@ def _messages(body: dict[str, Any]) -> None:
             raise _invalid_type(f"{param}.role", "a string", role)
 
 
-def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
-    """Parse and check a request body. Raises InvalidRequestError naming the offending param."""
+def _too_deep() -> InvalidRequestError:
+    return InvalidRequestError(
+        f"The request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of arrays "
+        "and objects are accepted.",
+        code="json_too_deep",
+    )
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise InvalidRequestError(
+                    f"The request body has the key {quote(key)} more than once in one object.",
+                    param=key[:QUOTE_CHARS],
+                    code="duplicate_key",
+                )
+            seen.add(key)
+    return found
+
+
+def _load(raw: bytes) -> Any:
+    """The parsed body, refused if it could not be forwarded as it was understood."""
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        if "depth limit" in str(exc):
+            raise _too_deep() from None
         raise InvalidRequestError(
             "We could not parse the JSON body of your request. (HINT: This likely means you "
             "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload, "
             "but what was sent was not valid JSON.)",
             code="invalid_json",
         ) from None
+    # One serialisation (C speed, a fraction of the parse) checks the depth and gives the
+    # body as parsed, to count its key-value pairs against those of the raw body.
+    wrapped: Any = body
+    for _ in range(_WRAPPING):
+        wrapped = [wrapped]
+    try:
+        parsed = orjson.dumps(wrapped)
+    except orjson.JSONEncodeError:  # a parsed body can fail only on its depth
+        raise _too_deep() from None
+    # Every pair has one colon outside strings; strings keep theirs when re-serialised, except
+    # a colon escaped as \u003a. Equal counts without that escape: no key was dropped.
+    if raw.count(b":") != parsed.count(b":") or b"\\u003a" in raw or b"\\u003A" in raw:
+        json.loads(raw.decode(), object_pairs_hook=_unique_keys)  # the exact check, rarely needed
+    return body
+
+
+def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
+    """Parse and check a request body. Raises InvalidRequestError naming the offending param."""
+    body = _load(raw)
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_type")
     model = body.get("model")
@@ -116,9 +179,9 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
     n = 1
     if endpoint == "chat":
         _messages(body)
-        max_tokens = _optional_int(body, "max_completion_tokens", 0)
-        if max_tokens is None:
-            max_tokens = _optional_int(body, "max_tokens", 0)
+        # Both may be sent, and servers differ on which wins: the larger is what may be used.
+        lengths = [_optional_int(body, name, 0) for name in OUTPUT_LENGTH_FIELDS["chat"]]
+        max_tokens = max((v for v in lengths if v is not None), default=None)
         n = _optional_int(body, "n", 1) or 1
     elif endpoint == "completions":
         prompt = body.get("prompt")
@@ -128,6 +191,7 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
             raise _invalid_type("prompt", "a string or an array", prompt)
         max_tokens = _optional_int(body, "max_tokens", 0)
         n = _optional_int(body, "n", 1) or 1
+        _optional_int(body, "best_of", 1)  # generated on the server: capped as `n` is
     elif endpoint == "embeddings":
         value = body.get("input")
         if value is None:

@@ -381,7 +381,9 @@ def invalid_documents(draw: st.DrawFn) -> tuple[dict[str, Any], list[str]]:
         loop = draw(st.lists(st.sampled_from(names), min_size=2, max_size=4, unique=True))
         for current, following in zip(loop, loop[1:] + loop[:1], strict=True):
             spec = next(m for m in document["models"] if m["name"] == current)
-            spec["fallbacks"] = [*spec.get("fallbacks", []), following]
+            # Only the loop's edges leave its models, so the loop is the one cycle to report
+            # (kept fallbacks could close a shorter one first).
+            spec["fallbacks"] = [following]
         return document, ["models: fallbacks form a cycle", *loop]
     if mistake == "unknown_provider":
         missing = "nope-" + draw(_NAMES)

@@ -5,22 +5,37 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from gateway.auth import Principal, new_key
 from gateway.config import RateLimitSpec
-from gateway.ratelimit import LocalBuckets, RateLimiter, duration, estimate_tokens
+from gateway.errors import KeyRateLimitedError
+from gateway.latency import MemoryLatencyStore, Sample, connect_redis
+from gateway.models import Call, Endpoint
+from gateway.ratelimit import (
+    LocalBuckets,
+    RateLimiter,
+    duration,
+    estimate_tokens,
+    open_rate_limiter,
+)
+from gateway.validate import parse_call
 from tests.conftest import RedisServer, Upstream, gateway_settings, run_gateway
+from tests.faults.leaks import settle
+from tests.faults.wire import RedisProxy
 from tests.test_metrics import scrape_when
 
 REQUESTS = "tailguard_requests_total"
 
 KEY, KEY_HASH = new_key()
+ADMIN, ADMIN_HASH = new_key()  # /readyz's detail is for admins
 CHAT: Any = [{"role": "user", "content": "hi"}]
 
 
@@ -38,9 +53,14 @@ def settings(base_url: str, *, rate_limits: dict[str, Any] | None = None, **key:
         [{"name": "m", "deployments": [{"provider": "up", "model": "m"}]}],
         auth={
             "keys": [{"name": "team", "sha256": KEY_HASH, **key}],
+            "admin_keys": [{"name": "ops", "sha256": ADMIN_HASH}],
             "rate_limits": rate_limits or {},
         },
     )
+
+
+async def readiness(http: httpx.AsyncClient, url: str) -> Any:
+    return (await http.get(url + "/readyz", headers={"authorization": f"Bearer {ADMIN}"})).json()
 
 
 def bearer() -> dict[str, str]:
@@ -97,9 +117,41 @@ def test_settling_returns_unused_tokens() -> None:
 
 
 def test_estimate_counts_the_prompt_and_every_output_token_asked() -> None:
-    prompt, total = estimate_tokens(b"x" * 400, max_tokens=50, n=2)
+    prompt, total = estimate_tokens(b"x" * 400, max_tokens=50, n=2, expected_output=7)
     assert (prompt, total) == (100, 200)
-    assert estimate_tokens(b"", None, 1) == (1, 1)
+    # Without max_tokens: what the model is expected to write, for every choice; never nothing.
+    assert estimate_tokens(b"", None, 2, expected_output=300) == (1, 601)
+    assert estimate_tokens(b"", None, 1, expected_output=0) == (1, 2)
+    assert estimate_tokens(b"x" * 40, 0, 1, expected_output=300) == (10, 10)  # asked for none
+
+
+async def test_what_a_request_without_max_tokens_is_charged() -> None:
+    """The mean output its model was seen to write (before any, the configured default), for
+    each choice, capped so that the request alone fits the key's tpm; an embeddings request
+    writes nothing, and a max_tokens asked for is charged as asked."""
+    store = MemoryLatencyStore()
+    limiter = RateLimiter(RateLimitSpec(default_output_tokens=700), None)
+    key = Principal(name="k", tpm=10_000)
+
+    def call(endpoint: Endpoint, **body: Any) -> Call:
+        return parse_call(endpoint, orjson.dumps({"model": "m", **body}))
+
+    def charged(principal: Principal, request: Call) -> int:
+        prompt, total = limiter.estimate(principal, request, store)
+        assert prompt == len(request.raw) // 4
+        return total - prompt
+
+    two = call("chat", messages=CHAT, n=2)
+    completion = call("completions", prompt="hi")
+    assert (charged(key, two), charged(key, completion)) == (1400, 700)
+    for _ in range(3):
+        store.record(Sample("up/m", "m", ok=True, total_s=0.1, output_tokens=300))
+    await store.refresh()
+    assert (charged(key, two), charged(key, completion)) == (600, 300)
+    assert charged(key, call("embeddings", input="hi")) == 0
+    assert charged(key, call("chat", messages=CHAT, max_tokens=20_000)) == 20_000
+    small = Principal(name="s", tpm=400)
+    assert charged(small, two) == 2 * ((400 - len(two.raw) // 4) // 2)  # it fits the 400
 
 
 # --- through the gateway, one replica ----------------------------------------------------------
@@ -165,7 +217,7 @@ async def test_replicas_share_one_limit(
     config = settings(upstream.base_url, rpm=8, rate_limits=limits)
     async with run_gateway(config) as one, run_gateway(config) as two:
         answers = await asyncio.gather(*(chat(http, (one, two)[i % 2].base_url) for i in range(20)))
-        ready = [(await http.get(g.url + "/readyz")).json()["rate_limits"] for g in (one, two)]
+        ready = [(await readiness(http, g.url))["rate_limits"] for g in (one, two)]
     assert [r["store_errors"] for r in ready] == [0, 0]
     codes = sorted(a.status_code for a in answers)
     assert codes.count(200) == 8 and codes.count(429) == 12
@@ -182,7 +234,7 @@ async def test_redis_down_fails_open_to_per_replica_limits(
         assert (await chat(http, gw.base_url)).status_code == 200
         redis_server.kill()
         codes = [(await chat(http, gw.base_url)).status_code for _ in range(4)]
-        ready = (await http.get(gw.url + "/readyz")).json()
+        ready = await readiness(http, gw.url)
     assert codes == [200, 200, 200, 429]  # a fresh local bucket: 3 more, then the limit
     assert ready["rate_limits"]["degraded"] is True
     assert ready["rate_limits"]["store_errors"] >= 1
@@ -222,7 +274,7 @@ async def test_a_redis_that_never_answers_costs_at_most_the_timeout(
     )
     async with run_gateway(config) as gw:
         answers = [await chat(http, gw.base_url) for _ in range(5)]
-        ready = (await http.get(gw.url + "/readyz")).json()
+        ready = await readiness(http, gw.url)
     assert [a.status_code for a in answers] == [200] * 5
     assert ready["rate_limits"]["store_errors"] == 1  # only the first asked Redis
 
@@ -296,3 +348,141 @@ async def test_anthropic_clients_get_anthropic_headers() -> None:
     assert "x-ratelimit-limit-requests" not in first.headers
     assert refused.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
     assert int(refused.value.response.headers["retry-after"]) > 0
+
+
+# --- tokens per minute when the request sets no max_tokens ---------------------------------------
+
+WARM, WARM_HASH = new_key()
+TPM = 12_000
+WRITES = 3000  # what the simulated model writes when nothing caps it
+EXPECTED = 2500  # what the gateway expects it to write, in every variant below
+
+
+def burst_settings(upstream_url: str, expected: str, store: dict[str, Any]) -> Any:
+    key: dict[str, Any] = {"name": "team", "sha256": KEY_HASH, "tpm": TPM}
+    limits = dict(store)
+    if expected == "configured":
+        limits["default_output_tokens"] = EXPECTED
+    elif expected == "key_cap":
+        key["max_tokens"] = EXPECTED
+    return gateway_settings(
+        {"up": {"type": "vllm", "base_url": upstream_url}},
+        [{"name": "m", "deployments": [{"provider": "up", "model": f"m@output_tokens={WRITES}"}]}],
+        auth={
+            "keys": [key, {"name": "warm", "sha256": WARM_HASH}],
+            "admin_keys": [{"name": "ops", "sha256": ADMIN_HASH}],
+            "rate_limits": limits,
+        },
+    )
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+@pytest.mark.parametrize("expected", ["observed", "configured", "key_cap"])
+async def test_a_burst_without_max_tokens_stays_within_tpm_and_its_debt_is_owed(
+    upstream: Upstream,
+    redis_server: RedisServer,
+    http: httpx.AsyncClient,
+    store: str,
+    expected: str,
+) -> None:
+    """20 concurrent requests without max_tokens on a key with a tpm: each is charged what its
+    model is expected to write (the mean output it was seen to write, else the configured
+    default, or the key's max_tokens cap), so the burst uses at most the tpm and one request
+    more. What they used beyond their charge is owed: the next request waits for it too."""
+    limits = redis_limits(redis_server, timeout_ms=3000) if store == "redis" else {}
+    async with run_gateway(burst_settings(upstream.base_url, expected, limits)) as gw:
+        if expected == "observed":  # another key's requests teach the gateway the model's length
+            warm = {"authorization": f"Bearer {WARM}"}
+            body = {"model": "m", "messages": CHAT, "max_tokens": EXPECTED}
+            for _ in range(3):
+                answer = await http.post(gw.base_url + "/chat/completions", json=body, headers=warm)
+                assert answer.status_code == 200
+
+            async def learnt() -> bool:
+                admin = {"authorization": f"Bearer {ADMIN}"}
+                seen = (await http.get(gw.url + "/admin/latency", headers=admin)).json()
+                return bool(seen["models"].get("m", {}).get("output_tokens_mean") == EXPECTED)
+
+            await settle(learnt)
+        started = time.monotonic()
+        answers = await asyncio.gather(*(chat(http, gw.base_url) for _ in range(20)))
+        used = [a.json()["usage"]["total_tokens"] for a in answers if a.status_code == 200]
+        assert len(used) >= 2 and {a.status_code for a in answers} == {200, 429}
+        assert sum(used) <= TPM + max(used), used
+        owed = sum(used) - TPM
+
+        async def refused_until_owed() -> bool:
+            # Refused until the bucket holds the next charge (at least EXPECTED) on top of what
+            # is owed, less what it refilled since the burst began.
+            answer = await chat(http, gw.base_url)
+            assert answer.status_code == 429, answer.text
+            wait_s = int(answer.headers["retry-after-ms"]) / 1000
+            return bool(wait_s >= (EXPECTED + owed) * 60 / TPM - (time.monotonic() - started))
+
+        # Settling is not awaited by the request: poll its effect.
+        await settle(refused_until_owed, what=f"a wait for the {owed} tokens owed")
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_debt_beyond_a_whole_minute_is_carried(redis_server: RedisServer, store: str) -> None:
+    """A request that used far more than it was charged leaves the bucket owing more than a
+    minute's allowance: the key is refused until all of it has refilled (Redis keeps the bucket
+    that long), none of it forgiven."""
+    client = None
+    if store == "redis":
+        client = connect_redis(redis_server.url, wait_for_connection=True, max_connections=8)
+    limiter = RateLimiter(RateLimitSpec(timeout_ms=3000), client)
+    principal = Principal(name="p", tpm=100)
+    try:
+        await limiter.take(principal, 50)
+        limiter.settle(principal, 350)  # it used 400 tokens: the bucket owes 300
+
+        async def settled() -> bool:
+            if client is None:
+                return True
+            level = await client.hget("tg:rl:{p}:tokens", "l")
+            return level is not None and float(level) < -290
+
+        await settle(settled)
+        with pytest.raises(KeyRateLimitedError) as refused:
+            await limiter.take(principal, 10)
+        if client is not None:
+            assert await client.pttl("tg:rl:{p}:tokens") >= 185_000
+    finally:
+        await limiter.aclose()
+    # (10 + 300) tokens at 100 a minute.
+    assert 185 <= int(refused.value.headers["retry-after"]) <= 187
+
+
+# --- the store's breaker --------------------------------------------------------------------------
+
+
+def busy(seconds: float) -> None:
+    """Hold the event loop with CPU-bound work, as a saturated gateway does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def test_a_busy_event_loop_does_not_trip_the_breaker(redis_server: RedisServer) -> None:
+    """Redis answers a limit check at once, but the loop is busy for 200 ms before it can read
+    the answer: the time was the loop's, not Redis's, so the answer counts (the check is
+    Redis's, the shared bucket charged) and the breaker stays closed."""
+    async with RedisProxy(redis_server.port, delay_s=0.0005) as proxy:
+        limits = {"store": "redis", "redis_url": proxy.url}  # the default 50 ms timeout
+        limiter = open_rate_limiter(settings("http://127.0.0.1:9", rpm=100, rate_limits=limits))
+        principal = Principal(name="team", rpm=100)
+        try:
+            await limiter.take(principal, 1)  # connected, and the script loaded
+            seen, lagged = proxy.delayed, limiter.loop_lag_waits
+            check = asyncio.ensure_future(limiter.take(principal, 1))
+            await proxy.wait_for(lambda p: p.delayed > seen)  # Redis has answered
+            busy(0.2)
+            verdict = await check
+            health = limiter.health()
+        finally:
+            await limiter.aclose()
+    assert verdict.source == "redis"
+    assert verdict.requests is not None and verdict.requests.remaining == 98
+    assert health["store_errors"] == 0 and health["degraded"] is False
+    assert health["loop_lag_waits"] == lagged + 1  # the wait extended once, for the burst

@@ -29,6 +29,7 @@ from gateway.batching.queue import BatchQueue, Item, settle
 from gateway.config import BatchingSpec
 from gateway.errors import OverloadedError, ProviderError, ProviderRejectedError
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
+from gateway.numbers import count as token_count
 from gateway.providers.base import Provider, UpstreamStream, decode_body, inband_error
 
 BATCHED_ENDPOINTS: tuple[Endpoint, ...] = ("embeddings", "completions")
@@ -79,6 +80,7 @@ class BatchingProvider:
         self.address = inner.address
         self.secrets = inner.secrets
         self.bulk_priority = inner.bulk_priority
+        self.limits = inner.limits
         self._observer = observer
         self._queues: dict[tuple[str, bytes], BatchQueue[_Part, _Answer]] = {}
         self.rejected = 0  # requests refused because their queue was full
@@ -253,13 +255,23 @@ def _weight(value: Any) -> int:
     return len(value) if isinstance(value, str | list) else 1
 
 
+def _usage(data: dict[str, Any]) -> dict[str, int]:
+    """The batch's token counts; one that is not a count (negative, a string...) is 0."""
+    usage = data.get("usage")
+    if not isinstance(usage, dict):
+        return {}
+    return {
+        name: token_count(usage.get(name)) or 0 for name in ("prompt_tokens", "completion_tokens")
+    }
+
+
 def _split_embeddings(data: dict[str, Any], parts: Sequence[_Part], n: int) -> list[dict[str, Any]]:
     vectors = sorted(data["data"], key=lambda d: d["index"])
     total = sum(len(p.inputs) for p in parts)
     if len(vectors) != total:
         raise ValueError("vector count")
-    usage = data.get("usage") or {}
-    prompt = _apportion(int(usage.get("prompt_tokens") or 0), [sum(p.weights) for p in parts])
+    usage = _usage(data)
+    prompt = _apportion(usage.get("prompt_tokens", 0), [sum(p.weights) for p in parts])
     bodies = []
     start = 0
     for part, tokens in zip(parts, prompt, strict=True):
@@ -279,8 +291,8 @@ def _split_completions(
     total = sum(len(p.inputs) for p in parts) * n
     if len(choices) != total:
         raise ValueError("choice count")
-    usage = data.get("usage") or {}
-    prompt = _apportion(int(usage.get("prompt_tokens") or 0), [sum(p.weights) for p in parts])
+    usage = _usage(data)
+    prompt = _apportion(usage.get("prompt_tokens", 0), [sum(p.weights) for p in parts])
     groups = []
     start = 0
     for part in parts:
@@ -288,7 +300,7 @@ def _split_completions(
         groups.append(choices[start : start + count])
         start += count
     generated = [sum(len(c.get("text") or "") for c in group) or len(group) for group in groups]
-    completion = _apportion(int(usage.get("completion_tokens") or 0), generated)
+    completion = _apportion(usage.get("completion_tokens", 0), generated)
     bodies = []
     for group, p_tokens, c_tokens in zip(groups, prompt, completion, strict=True):
         body = {k: v for k, v in data.items() if k not in ("choices", "usage")}

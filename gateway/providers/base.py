@@ -8,11 +8,13 @@ upstream until its `aclose()`.
 
 from __future__ import annotations
 
-import email.utils
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
+from gateway import numbers
+from gateway.config import ProviderSpec
 from gateway.errors import (
     ProviderError,
     ProviderRejectedError,
@@ -35,6 +37,23 @@ from gateway.sse import SSEFramingError, SSEParser
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 MAX_ERROR_BYTES = 64 * 1024
+MAX_CODE_CHARS = 64  # an upstream error code longer than this is cut
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """What a provider's streams may send without content progress (its config's
+    `stream_idle_timeout_ms`, `max_precommit_events` and `max_precommit_bytes`)."""
+
+    idle_s: float  # no content token for this long: the stream is given up on
+    max_precommit_events: int  # events allowed before the first content token
+    max_precommit_bytes: int  # bytes of those events
+
+    @classmethod
+    def of(cls, spec: ProviderSpec) -> StreamLimits:
+        return cls(
+            spec.stream_idle_timeout_ms / 1000, spec.max_precommit_events, spec.max_precommit_bytes
+        )
 
 
 class UpstreamStream(Protocol):
@@ -63,6 +82,7 @@ class Provider(Protocol):
     address: str | None  # server.address (None for in-process)
     secrets: tuple[str, ...]
     bulk_priority: int | None  # vLLM request `priority` for bulk requests, if configured
+    limits: StreamLimits  # enforced by whoever reads its streams
 
     def supports(self, endpoint: Endpoint) -> bool: ...
 
@@ -206,25 +226,19 @@ class ChunkStream:
 
 
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds to wait, from `retry-after-ms` or `retry-after` (seconds or an HTTP date)."""
-    value = headers.get("retry-after-ms")
-    if value:
-        try:
-            return max(0.0, float(value) / 1000)
-        except ValueError:
-            pass
-    value = headers.get("retry-after")
-    if not value:
+    """Seconds to wait, from `retry-after-ms` or `retry-after` (seconds or an HTTP date), within
+    [0, a day]; None when neither holds a usable value (`inf`, `nan`, `-1`, `soon`...)."""
+    return numbers.retry_after_s(
+        headers.get("retry-after"), headers.get("retry-after-ms"), time.time()
+    )
+
+
+def _upstream_code(code: str | None) -> str | None:
+    """An upstream's error code as the client sees it: not a bare number (vLLM puts the status
+    there), and bounded, since it also lands in traces and the access log."""
+    if not code or code.isdigit():
         return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
+    return code[:MAX_CODE_CHARS]
 
 
 def status_error(
@@ -295,7 +309,7 @@ def _error_for(
             deployment=deployment,
             upstream_status=status,
             param=param,
-            upstream_code=upstream_code if upstream_code and not upstream_code.isdigit() else None,
+            upstream_code=_upstream_code(upstream_code),
         )
     if status in (401, 403):
         return ProviderError(

@@ -14,6 +14,7 @@ from typing import Any, Final
 import orjson
 
 from gateway.models import Chunk, InBandError, SSEEvent, Usage
+from gateway.numbers import MAX_TOKENS, count
 
 _DONE: Final = b"[DONE]"
 _SNIPPET_BYTES: Final = 200
@@ -47,6 +48,10 @@ def _parse_object(data: bytes, what: str) -> dict[str, Any]:
     try:
         parsed = orjson.loads(data)
     except orjson.JSONDecodeError:
+        try:
+            data.decode()
+        except UnicodeDecodeError:  # the same refusal as for a stream's events (gateway/sse.py)
+            raise UpstreamProtocolError(f"{what} is not valid UTF-8: {_snippet(data)!r}") from None
         raise UpstreamProtocolError(f"{what} is not JSON: {_snippet(data)!r}") from None
     if not isinstance(parsed, dict):
         raise UpstreamProtocolError(f"{what} is not a JSON object: {_snippet(data)!r}")
@@ -66,8 +71,10 @@ def _str(value: object) -> str | None:
 # --- OpenAI-compatible ---------------------------------------------------------------------------
 
 
-def _openai_usage(usage: dict[str, Any]) -> Usage:
-    return Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")))
+def _openai_usage(usage: object) -> Usage:
+    if not isinstance(usage, dict):
+        return Usage()  # not an object: no counts, the answer itself stands
+    return Usage(count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")))
 
 
 def _error_from_fields(fields: dict[str, Any], default_message: str) -> InBandError:
@@ -302,16 +309,15 @@ def _anthropic_error_fields(error: dict[str, Any]) -> InBandError:
     )
 
 
-def anthropic_input_tokens(usage: dict[str, Any]) -> int | None:
+def anthropic_input_tokens(usage: object) -> int | None:
     """All prompt tokens: Anthropic counts cache reads and writes apart from `input_tokens`."""
-    fresh = _int(usage.get("input_tokens"))
+    if not isinstance(usage, dict):
+        return None
+    fresh = count(usage.get("input_tokens"))
     if fresh is None:
         return None
-    return (
-        fresh
-        + (_int(usage.get("cache_read_input_tokens")) or 0)
-        + (_int(usage.get("cache_creation_input_tokens")) or 0)
-    )
+    cached = count(usage.get("cache_read_input_tokens")) or 0
+    return min(fresh + cached + (count(usage.get("cache_creation_input_tokens")) or 0), MAX_TOKENS)
 
 
 class AnthropicStreamDecoder:
@@ -357,7 +363,8 @@ class AnthropicStreamDecoder:
                 self._input_tokens = anthropic_input_tokens(usage)
             return Chunk(raw=raw, data=obj)
         if kind == "message_delta":
-            usage = obj.get("usage") or {}
+            usage = obj.get("usage")
+            usage = usage if isinstance(usage, dict) else {}
             # Newer API versions repeat cumulative input counts here; they win when present.
             input_tokens = anthropic_input_tokens(usage)
             if input_tokens is not None:
@@ -366,7 +373,7 @@ class AnthropicStreamDecoder:
                 raw=raw,
                 data=obj,
                 finish_reason=obj["delta"].get("stop_reason"),
-                usage=Usage(self._input_tokens, _int(usage.get("output_tokens"))),
+                usage=Usage(self._input_tokens, count(usage.get("output_tokens"))),
             )
         if kind == "message_stop":
             return Chunk(raw=raw, data=obj, done=True)
@@ -401,9 +408,9 @@ def decode_anthropic_body(body: bytes) -> Chunk:
                     with_content += 1
             usage_fields = obj.get("usage")
             usage = None
-            if usage_fields:
+            if isinstance(usage_fields, dict) and usage_fields:
                 usage = Usage(
-                    anthropic_input_tokens(usage_fields), _int(usage_fields.get("output_tokens"))
+                    anthropic_input_tokens(usage_fields), count(usage_fields.get("output_tokens"))
                 )
             known = usage.output_tokens if usage is not None else None
             return Chunk(

@@ -24,6 +24,7 @@ from gateway.providers.translate import (
 )
 
 _STREAMED_WITH_USAGE = ("chat", "completions")
+_SENDABLE_DEPTH = 254  # orjson serialises no deeper
 
 
 class _Raw:
@@ -58,6 +59,14 @@ def prepare(
     except TranslationError as exc:
         raise InvalidRequestError(
             f"{provider.name}/{upstream_model}: {exc}", param=exc.param
+        ) from None
+    except orjson.JSONEncodeError:
+        # Only what translation parses out of strings (tool-call arguments) can be this deep:
+        # the body itself was held to MAX_JSON_DEPTH when it arrived.
+        raise InvalidRequestError(
+            f"{provider.name}/{upstream_model}: the request is nested too deeply to be sent "
+            f"once translated (at most {_SENDABLE_DEPTH} levels of arrays and objects).",
+            code="json_too_deep",
         ) from None
 
 

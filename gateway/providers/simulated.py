@@ -11,7 +11,7 @@ from typing import Final
 from gateway.config import ProviderSpec
 from gateway.errors import ProviderError
 from gateway.models import Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import ChunkStream, status_error
+from gateway.providers.base import ChunkStream, StreamLimits, status_error
 from gateway.sim.engine import SimConnectionReset, SimEngine
 
 _PATHS: Final[dict[Endpoint, str]] = {
@@ -33,6 +33,7 @@ class SimulatedProvider:
     def __init__(self, name: str, spec: ProviderSpec) -> None:
         self.name = name
         self.engine = SimEngine(spec.profiles, spec.default_profile, seed=spec.seed)
+        self.limits = StreamLimits.of(spec)
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in _PATHS

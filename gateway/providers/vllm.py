@@ -19,11 +19,13 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import numbers
 from gateway.errors import scrub
 
 logger = logging.getLogger(__name__)
 
 STALE_INTERVALS = 3  # a scrape older than this many intervals is not trusted
+_MAX_VALUE = 1e12  # larger counts and gauges are clamped (no server holds that many requests)
 
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
@@ -45,10 +47,10 @@ class Histogram:
         if earlier is None or self.count < earlier.count:
             return self
         before = dict(earlier.buckets)
-        return Histogram(
-            tuple((le, n - before.get(le, 0.0)) for le, n in self.buckets),
+        return Histogram(  # clamped: a server's counts may go down without a reset
+            tuple((le, max(0.0, n - before.get(le, 0.0))) for le, n in self.buckets),
             self.count - earlier.count,
-            self.total - earlier.total,
+            max(0.0, self.total - earlier.total),
         )
 
     def quantile(self, q: float) -> float | None:
@@ -77,7 +79,10 @@ class ServerLoad:
 def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
     """Read a vLLM `/metrics` page. `model` restricts to one `model_name` label when given.
 
-    Raises ValueError when the page is not Prometheus text or lacks the queue gauges.
+    Raises ValueError when the page is not Prometheus text or lacks the queue gauges, or when a
+    queue gauge is no finite, non-negative number. Other values that are not (`NaN`, `+Inf`,
+    `-1`, a bucket bound that is no number) are left out; values are clamped to 1e12, the cache
+    usage to [0, 1].
     """
     running = waiting = 0.0
     seen_queue = False
@@ -92,7 +97,22 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
             labels = sample.labels
             if model is not None and labels.get("model_name", model) != model:
                 continue
-            name, value = sample.name, float(sample.value)
+            name = sample.name
+            # A value or bound that is NaN, infinite, negative or no number is left out, as if
+            # the server had not reported it: it would poison the predictions made from it.
+            value = numbers.gauge(float(sample.value), ceiling=_MAX_VALUE)
+            if value is None:
+                if name in (_RUNNING, _WAITING):  # the queue itself is unknown, not empty
+                    raise ValueError(f"{name} is {sample.value}")
+                continue
+            if name in _KV:
+                value = min(value, 1.0)  # a fraction of the cache
+            le = 0.0
+            if name.endswith("_bucket"):
+                upper = numbers.bound(labels.get("le"))
+                if upper is None:
+                    continue
+                le = upper
             if name == _RUNNING:
                 running += value
                 seen_queue = True
@@ -102,7 +122,6 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
             elif name in _KV:
                 kv[name] = max(kv.get(name, 0.0), value)
             elif name == _TTFT + "_bucket":
-                le = float(labels["le"])
                 ttft[le] = ttft.get(le, 0.0) + value
             elif name == _TTFT + "_count":
                 ttft_count += value
@@ -111,7 +130,6 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
             else:
                 for base in _TPOT:
                     if name == base + "_bucket":
-                        le = float(labels["le"])
                         tpot.setdefault(base, {})[le] = tpot.get(base, {}).get(le, 0.0) + value
                     elif name == base + "_count":
                         tpot_count[base] = tpot_count.get(base, 0.0) + value

@@ -30,6 +30,8 @@ from gateway import semconv as sc
 logger = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 _MAX_CONTENT = 8192  # characters of a captured prompt
+_MAX_REASONS = 16  # finish reasons recorded on an attempt span (one per choice)
+_MAX_LABEL = 64  # characters of a finish reason
 
 
 class _CountingProcessor(BatchSpanProcessor):
@@ -187,7 +189,10 @@ class RequestTrace:
         if output_tokens is not None:
             attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
         if finish_reasons:
-            attributes[sc.GEN_AI_RESPONSE_FINISH_REASONS] = list(finish_reasons)
+            # The upstream's words: a few, each bounded (and a string, whatever it sent).
+            attributes[sc.GEN_AI_RESPONSE_FINISH_REASONS] = [
+                str(reason)[:_MAX_LABEL] for reason in finish_reasons[:_MAX_REASONS]
+            ]
         if response_model:
             attributes[sc.GEN_AI_RESPONSE_MODEL] = response_model
         if error_type:

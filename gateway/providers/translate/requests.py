@@ -13,6 +13,7 @@ from typing import Any, Final
 
 import orjson
 
+from gateway.errors import quote
 from gateway.providers.translate.responses import _arguments, _tool_id
 
 DEFAULT_MAX_TOKENS: Final = 4096
@@ -171,7 +172,7 @@ def _messages_to_anthropic(messages: list[Any]) -> tuple[str, list[dict[str, Any
                 out.append({"role": "assistant", "content": blocks})
         else:
             raise TranslationError(
-                f"'{where}.role' {role!r} cannot be sent to an Anthropic model",
+                f"'{where}.role' {quote(role)} cannot be sent to an Anthropic model",
                 param=f"{where}.role",
             )
     return "\n\n".join(system), out
@@ -194,7 +195,7 @@ def _user_to_anthropic(message: dict[str, Any], where: str) -> str | list[dict[s
             blocks.append(_file_to_anthropic(_dict(part.get("file"), f"{param}.file"), param))
         else:
             raise TranslationError(
-                f"'{param}' of type {kind!r} cannot be sent to an Anthropic model",
+                f"'{param}' of type {quote(kind)} cannot be sent to an Anthropic model",
                 param=f"{param}.type",
             )
     return blocks
@@ -234,7 +235,7 @@ def _file_to_anthropic(file: dict[str, Any], param: str) -> dict[str, Any]:
         block["source"] = {"type": "text", "media_type": media_type, "data": text}
     else:
         raise TranslationError(
-            f"'{param}.file' of type {media_type!r} cannot be sent to an Anthropic model",
+            f"'{param}.file' of type {quote(media_type)} cannot be sent to an Anthropic model",
             param=f"{param}.file.file_data",
         )
     filename = file.get("filename")
@@ -299,7 +300,7 @@ def _tool_to_anthropic(tool: object, i: int) -> dict[str, Any]:
     tool = _dict(tool, f"tools[{i}]")
     if tool.get("type") != "function":
         raise TranslationError(
-            f"'tools[{i}]' of type {tool.get('type')!r} cannot be sent to an Anthropic model",
+            f"'tools[{i}]' of type {quote(tool.get('type'))} cannot be sent to an Anthropic model",
             param=f"tools[{i}].type",
         )
     function = _dict(tool.get("function"), f"tools[{i}].function")
@@ -326,7 +327,7 @@ def _tool_choice_to_anthropic(choice: object) -> dict[str, Any] | None:
         function = _dict(choice.get("function"), "tool_choice.function")
         return {"type": "tool", "name": _str(function.get("name"), "tool_choice.function.name")}
     raise TranslationError(
-        f"'tool_choice' {choice!r} cannot be sent to an Anthropic model", param="tool_choice"
+        f"'tool_choice' {quote(choice)} cannot be sent to an Anthropic model", param="tool_choice"
     )
 
 
@@ -342,7 +343,7 @@ def _response_format_to_anthropic(response_format: object) -> dict[str, Any] | N
         schema = _dict(spec.get("schema"), "response_format.json_schema.schema")
         return {"type": "json_schema", "schema": schema}
     raise TranslationError(
-        f"'response_format' of type {kind!r} cannot be sent to an Anthropic model"
+        f"'response_format' of type {quote(kind)} cannot be sent to an Anthropic model"
         " (use json_schema)",
         param="response_format",
     )
@@ -462,7 +463,7 @@ def _anthropic_user_to_openai(content: object, where: str) -> list[dict[str, Any
             parts.append(_document_to_openai(block, param))
         else:
             raise TranslationError(
-                f"'{param}' of type {kind!r} cannot be sent to an OpenAI model",
+                f"'{param}' of type {quote(kind)} cannot be sent to an OpenAI model",
                 param=f"{param}.type",
             )
     if not parts:
@@ -500,7 +501,7 @@ def _image_to_openai(source: dict[str, Any], param: str) -> dict[str, Any]:
         url = _str(source.get("url"), f"{param}.source.url")
     else:
         raise TranslationError(
-            f"'{param}.source' of type {kind!r} cannot be sent to an OpenAI model",
+            f"'{param}.source' of type {quote(kind)} cannot be sent to an OpenAI model",
             param=f"{param}.source.type",
         )
     return {"type": "image_url", "image_url": {"url": url}}
@@ -522,7 +523,7 @@ def _document_to_openai(block: dict[str, Any], param: str) -> dict[str, Any]:
             },
         }
     raise TranslationError(
-        f"'{param}.source' of type {kind!r} cannot be sent to an OpenAI model",
+        f"'{param}.source' of type {quote(kind)} cannot be sent to an OpenAI model",
         param=f"{param}.source.type",
     )
 
@@ -553,7 +554,7 @@ def _anthropic_assistant_to_openai(content: object, where: str) -> dict[str, Any
             continue  # chat completions has no way to send reasoning back
         else:
             raise TranslationError(
-                f"'{param}' of type {kind!r} cannot be sent to an OpenAI model",
+                f"'{param}' of type {quote(kind)} cannot be sent to an OpenAI model",
                 param=f"{param}.type",
             )
     if not texts and not tool_calls:
@@ -569,7 +570,7 @@ def _tool_to_openai(tool: object, i: int) -> dict[str, Any]:
     kind = tool.get("type")
     if kind not in (None, "custom"):
         raise TranslationError(
-            f"'tools[{i}]': the server tool {kind!r} cannot be sent to an OpenAI model",
+            f"'tools[{i}]': the server tool {quote(kind)} cannot be sent to an OpenAI model",
             param=f"tools[{i}].type",
         )
     function: dict[str, Any] = {"name": _str(tool.get("name"), f"tools[{i}].name")}
@@ -592,4 +593,6 @@ def _tool_choice_to_openai(choice: dict[str, Any]) -> str | dict[str, Any]:
     if kind == "tool":
         name = _str(choice.get("name"), "tool_choice.name")
         return {"type": "function", "function": {"name": name}}
-    raise TranslationError(f"'tool_choice.type' {kind!r} is not known", param="tool_choice.type")
+    raise TranslationError(
+        f"'tool_choice.type' {quote(kind)} is not known", param="tool_choice.type"
+    )

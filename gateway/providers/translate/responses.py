@@ -15,6 +15,8 @@ from typing import Any, Final
 
 import orjson
 
+from gateway.numbers import count
+
 _FINISH_REASONS: Final[dict[str, str]] = {
     "end_turn": "stop",
     "max_tokens": "length",
@@ -76,14 +78,17 @@ def _arguments(arguments: object) -> dict[str, Any] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
-def _openai_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
-    """Anthropic usage → OpenAI usage: cache reads and writes are part of `prompt_tokens`."""
-    usage = usage or {}
-    cached = usage.get("cache_read_input_tokens") or 0
+def _openai_usage(usage: object) -> dict[str, Any]:
+    """Anthropic usage → OpenAI usage: cache reads and writes are part of `prompt_tokens`.
+    A count that is not one (negative, a string, ...) counts as 0."""
+    usage = usage if isinstance(usage, dict) else {}
+    cached = count(usage.get("cache_read_input_tokens")) or 0
     prompt = (
-        (usage.get("input_tokens") or 0) + cached + (usage.get("cache_creation_input_tokens") or 0)
+        (count(usage.get("input_tokens")) or 0)
+        + cached
+        + (count(usage.get("cache_creation_input_tokens")) or 0)
     )
-    completion = usage.get("output_tokens") or 0
+    completion = count(usage.get("output_tokens")) or 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -92,15 +97,16 @@ def _openai_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def _anthropic_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
-    """OpenAI usage → Anthropic usage: `input_tokens` excludes the cached part."""
-    usage = usage or {}
-    prompt = usage.get("prompt_tokens") or 0
+def _anthropic_usage(usage: object) -> dict[str, Any]:
+    """OpenAI usage → Anthropic usage: `input_tokens` excludes the cached part. A count that is
+    not one (negative, a string, ...) counts as 0."""
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = count(usage.get("prompt_tokens")) or 0
     details = usage.get("prompt_tokens_details")
-    cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+    cached = (count(details.get("cached_tokens")) or 0) if isinstance(details, dict) else 0
     out: dict[str, Any] = {
         "input_tokens": max(prompt - cached, 0),
-        "output_tokens": usage.get("completion_tokens") or 0,
+        "output_tokens": count(usage.get("completion_tokens")) or 0,
     }
     if cached:
         out["cache_read_input_tokens"] = cached

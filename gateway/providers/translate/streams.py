@@ -14,6 +14,7 @@ from typing import Any, Final, Protocol
 import orjson
 
 from gateway.models import Chunk, InBandError
+from gateway.numbers import count
 from gateway.providers.decode import ANTHROPIC_ERROR_STATUS
 from gateway.providers.translate.responses import (
     _anthropic_id,
@@ -143,18 +144,19 @@ class AnthropicToOpenAIStream:
             self._start(None)
         return self._head + delta + self._tail
 
-    def _count(self, usage: dict[str, Any] | None) -> None:
+    def _count(self, usage: object) -> None:
         # message_start and message_delta both carry counts; later ones are cumulative totals.
-        if not usage:
+        # A count that is not one (negative, a string, ...) is ignored.
+        if not isinstance(usage, dict):
             return
-        if usage.get("input_tokens") is not None:
-            self._input_tokens = usage["input_tokens"]
-        if usage.get("cache_read_input_tokens") is not None:
-            self._cached_tokens = usage["cache_read_input_tokens"]
-        if usage.get("cache_creation_input_tokens") is not None:
-            self._cache_write_tokens = usage["cache_creation_input_tokens"]
-        if usage.get("output_tokens") is not None:
-            self._output_tokens = usage["output_tokens"]
+        if (tokens := count(usage.get("input_tokens"))) is not None:
+            self._input_tokens = tokens
+        if (tokens := count(usage.get("cache_read_input_tokens"))) is not None:
+            self._cached_tokens = tokens
+        if (tokens := count(usage.get("cache_creation_input_tokens"))) is not None:
+            self._cache_write_tokens = tokens
+        if (tokens := count(usage.get("output_tokens"))) is not None:
+            self._output_tokens = tokens
 
     def feed(self, chunk: Chunk) -> bytes:
         if chunk.error is not None:
@@ -307,7 +309,7 @@ class OpenAIToAnthropicStream:
             return chunk.raw if _is_comment(chunk.raw) else b""
         out = b"" if self._started else self._message_start(data)
         usage = data.get("usage")
-        if usage:
+        if isinstance(usage, dict) and usage:
             self._count(usage)
         choices = data.get("choices")
         if choices:
@@ -334,12 +336,12 @@ class OpenAIToAnthropicStream:
 
     def _count(self, usage: dict[str, Any]) -> None:
         details = usage.get("prompt_tokens_details")
-        cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
-        prompt = usage.get("prompt_tokens")
+        cached = (count(details.get("cached_tokens")) or 0) if isinstance(details, dict) else 0
+        prompt = count(usage.get("prompt_tokens"))
         if prompt is not None:
             self._input_tokens = max(prompt - cached, 0)
             self._cached_tokens = cached
-        self._output_tokens = usage.get("completion_tokens") or self._output_tokens
+        self._output_tokens = count(usage.get("completion_tokens")) or self._output_tokens
 
     def _message_start(self, data: dict[str, Any]) -> bytes:
         self._started = True
