@@ -24,6 +24,7 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import semconv as sc
@@ -42,10 +43,13 @@ from gateway.errors import (
     RequestTimeoutError,
     StreamInterruptedError,
     UnknownModelError,
+    quote,
     render,
     stream_error,
 )
 from gateway.latency import (
+    CANCELLED,
+    TOTAL_DEADLINE,
     Recorder,
     Sample,
     TargetStats,
@@ -53,7 +57,7 @@ from gateway.latency import (
 from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
 from gateway.openapi import build_openapi
 from gateway.providers.vllm import snapshot as vllm_snapshot
-from gateway.ratelimit import Verdict, estimate_tokens
+from gateway.ratelimit import Verdict
 from gateway.routing import (
     Budget,
     Candidate,
@@ -65,7 +69,9 @@ from gateway.routing import (
     open_first,
     plan,
     prompt_band,
+    with_exploration,
 )
+from gateway.routing.idle import IdleWatch
 from gateway.runtime import Runtime, Services
 from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.telemetry import (
@@ -73,13 +79,18 @@ from gateway.telemetry import (
     configure_logging,
     exposition,
 )
-from gateway.validate import parse_call
+from gateway.validate import OUTPUT_LENGTH_FIELDS, parse_call
 
 log = logging.getLogger("tailguard")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
 _JSON = b"application/json"
+_SLO_ATTRIBUTES = {
+    "ttft": sc.TG_SLO_TTFT_MET,
+    "total": sc.TG_SLO_TOTAL_MET,
+    "tpot": sc.TG_SLO_TPOT_MET,
+}
 _SSE = b"text/event-stream; charset=utf-8"
 
 
@@ -232,6 +243,9 @@ async def _read_parts(receive: Receive, limit: int) -> bytes:
 
 TTFT_BUDGET_HEADER = "x-tailguard-ttft-budget-ms"
 TOTAL_BUDGET_HEADER = "x-tailguard-total-budget-ms"
+# The Gateway API Inference Extension's (llm-d's) names: a TTFT budget, and a per-token target.
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
 PRIORITY_HEADER = "x-tailguard-priority"
 _MAX_BUDGET_MS = 3_600_000
 
@@ -242,14 +256,18 @@ class RequestHeaders:
 
     forward: dict[str, str]  # sent upstream as-is
     ttft_budget_ms: int | None = None
+    ttft_header: str = TTFT_BUDGET_HEADER  # the header the TTFT budget came from, for errors
     total_budget_ms: int | None = None
+    tpot_budget_ms: int | None = None  # x-slo-tpot-ms: the mean time per token after the first
     client_retry: bool = False  # the client SDK says this is its own retry: do not hedge it
     priority: str | None = None  # x-tailguard-priority: interactive | bulk
 
 
 def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
-    """Raises InvalidRequestError naming a budget header whose value is not a positive integer."""
+    """Raises InvalidRequestError naming a budget header whose value is not a positive integer.
+    `x-slo-ttft-ms` is read as the TTFT budget unless `x-tailguard-ttft-budget-ms` is sent too."""
     found = RequestHeaders({"x-request-id": request_id})
+    slo_ttft_ms = None
     for name, value in scope["headers"]:
         if name == b"traceparent":
             traceparent = value.decode("latin-1")
@@ -262,6 +280,10 @@ def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
             found.ttft_budget_ms = _budget(TTFT_BUDGET_HEADER, value)
         elif name == b"x-tailguard-total-budget-ms":
             found.total_budget_ms = _budget(TOTAL_BUDGET_HEADER, value)
+        elif name == b"x-slo-ttft-ms":
+            slo_ttft_ms = _budget(SLO_TTFT_HEADER, value)
+        elif name == b"x-slo-tpot-ms":
+            found.tpot_budget_ms = _budget(SLO_TPOT_HEADER, value)
         elif name == b"x-stainless-retry-count":
             found.client_retry = value.strip() not in (b"", b"0")
         elif name == b"x-tailguard-priority":
@@ -274,6 +296,8 @@ def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
                     code="invalid_header",
                 )
             found.priority = priority
+    if found.ttft_budget_ms is None and slo_ttft_ms is not None:
+        found.ttft_budget_ms, found.ttft_header = slo_ttft_ms, SLO_TTFT_HEADER
     return found
 
 
@@ -398,7 +422,7 @@ async def _admit(
     verdict = None
     prompt = charged = 0
     if principal.rate_limited:
-        prompt, charged = estimate_tokens(call.raw, call.max_tokens, call.n)
+        prompt, charged = runtime.limiter.estimate(principal, call, runtime.services.latency)
         verdict = await runtime.limiter.take(principal, charged, call.wire)
     try:
         proxy = _plan(scope, call, principal)
@@ -416,7 +440,7 @@ def _plan(scope: Scope, call: Call, principal: Principal | None) -> Proxy:
     spec = services.models.get(call.model)
     if spec is None:
         raise UnknownModelError(
-            f"The model '{call.model}' does not exist. Available models: "
+            f"The model {quote(call.model)} does not exist. Available models: "
             f"{', '.join(_visible_models(services, principal))}.",
             param="model",
         )
@@ -431,7 +455,7 @@ def _plan(scope: Scope, call: Call, principal: Principal | None) -> Proxy:
     if asked_ttft and asked_total and asked_ttft > asked_total:
         raise InvalidRequestError(
             f"The TTFT budget ({asked_ttft} ms) exceeds the total budget ({asked_total} ms).",
-            param=TTFT_BUDGET_HEADER,
+            param=headers.ttft_header,
             code="invalid_header",
         )
     if ttft_ms is not None and total_ms is not None:
@@ -439,17 +463,17 @@ def _plan(scope: Scope, call: Call, principal: Principal | None) -> Proxy:
     # A non-streaming answer's first token is its whole body: only the total budget applies.
     if not call.stream:
         ttft_ms = None
+    # A per-token target means something for a stream only.
+    tpot_s = headers.tpot_budget_ms / 1000 if headers.tpot_budget_ms and call.stream else None
     budget = Budget(
         ttft_s=ttft_ms / 1000 if ttft_ms else None,
         total_s=total_ms / 1000 if total_ms else None,
+        tpot_s=tpot_s,
         on_ttft_miss=spec.on_ttft_miss,
-        rescue_share=(
-            spec.hedge_max_fraction
-            if spec.on_ttft_miss == "hedge"
-            else services.settings.routing.retry_budget.percent / 100
-        ),
+        rescue_share=spec.hedge_max_fraction,  # hedges and deadline failovers share one cap
     )
     snapshot = services.latency.snapshot
+    services.latency.arrived(spec.name)  # caps on extra load are a share of client requests
     found = candidates(services.chains[spec.name], services.providers, call, services.rng, snapshot)
     call.priority = headers.priority or spec.priority
     if call.priority == "bulk" and not call.stream and call.endpoint in BATCHED_ENDPOINTS:
@@ -459,6 +483,9 @@ def _plan(scope: Scope, call: Call, principal: Principal | None) -> Proxy:
     if services.servers:
         found = by_prediction(found, _predictions(services, found, call))
     chosen = plan(found, call, budget, cooling=services.guards.cooldowns.cooling())
+    if budget.ttft_s is not None and spec.on_ttft_miss != "none" and not headers.client_retry:
+        # A deployment routed away is now and then tried again, raced by the one that serves.
+        chosen = with_exploration(chosen, found, services.guards.explorer.due)
     policy = Policy(
         model=spec.name,
         arrived=scope["tailguard.t0"],
@@ -467,7 +494,9 @@ def _plan(scope: Scope, call: Call, principal: Principal | None) -> Proxy:
         hedge_fraction=spec.hedge_max_fraction,
         may_hedge=not headers.client_retry,
     )
-    return Proxy(services, call, chosen, policy, budget.total_s)
+    proxy = Proxy(services, call, chosen, policy, budget.total_s)
+    proxy.tpot_budget_s = tpot_s
+    return proxy
 
 
 def _check_key(principal: Principal, call: Call, models: Mapping[str, Any]) -> None:
@@ -481,27 +510,36 @@ def _check_key(principal: Principal, call: Call, models: Mapping[str, Any]) -> N
             param="model",
             code="model_not_allowed",
         )
-    if principal.max_n is not None and call.n > principal.max_n:
-        raise InvalidRequestError(
-            f"Invalid 'n': {call.n} is over this key's limit of {principal.max_n}.",
-            param="n",
-            code="key_limit_exceeded",
-        )
+    if principal.max_n is not None:
+        # `best_of` (completions) generates that many on the server, returned or not.
+        for param in ("n", "best_of"):
+            value = call.n if param == "n" else call.body.get(param)
+            if isinstance(value, int) and value > principal.max_n:
+                raise InvalidRequestError(
+                    f"Invalid '{param}': {value} is over this key's limit of {principal.max_n}.",
+                    param=param,
+                    code="key_limit_exceeded",
+                )
     cap = principal.max_tokens
-    if cap is None or call.endpoint == "embeddings":
+    fields = OUTPUT_LENGTH_FIELDS[call.endpoint]
+    if cap is None or not fields:
         return
+    # Every field that sets the output length is held to the cap, whichever the upstream reads.
+    for param in fields:
+        value = call.body.get(param)
+        if value is None:
+            continue
+        if value > cap or value < 1:  # 0: vLLM reads `max_completion_tokens or ...`: no limit
+            raise InvalidRequestError(
+                f"Invalid '{param}': {value} is outside this key's limit of 1 to {cap}.",
+                param=param,
+                code="key_limit_exceeded",
+            )
     if call.max_tokens is None:
         # Without a cap of its own the request could run to the model's limit: it gets the key's.
-        call.body["max_completion_tokens" if call.endpoint == "chat" else "max_tokens"] = cap
+        call.body[fields[0]] = cap
         call.raw = orjson.dumps(call.body)
         call.max_tokens = cap
-    elif call.max_tokens > cap:
-        param = "max_completion_tokens" if "max_completion_tokens" in call.body else "max_tokens"
-        raise InvalidRequestError(
-            f"Invalid '{param}': {call.max_tokens} is over this key's limit of {cap}.",
-            param=param,
-            code="key_limit_exceeded",
-        )
 
 
 def _visible_models(services: Services, principal: Principal | None) -> list[str]:
@@ -537,10 +575,10 @@ def _predictions(
         if queue > 0:
             queue += max(0.0, services.latency.inflight(candidate.id) - load.running - queue)
         stats = candidate.stats
-        ttft_p50 = stats.ttft.p50 / 1000 if stats and stats.ttft.p50 is not None else None
+        ttft_p50 = _finite_s(stats.ttft.p50) if stats else None
         if ttft_p50 is None and server is not None:
             ttft_p50 = server.recent_ttft_p50()
-        total_p50 = stats.total.p50 / 1000 if stats and stats.total.p50 is not None else None
+        total_p50 = _finite_s(stats.total.p50) if stats else None
         predicted = services.predictor.predict(
             candidate.id,
             band,
@@ -554,12 +592,19 @@ def _predictions(
     return out
 
 
+def _finite_s(ms: float | None) -> float | None:
+    """Milliseconds as seconds; None when unknown (no samples, or beyond every cut)."""
+    return ms / 1000 if ms is not None and ms != float("inf") else None
+
+
 class Proxy:
     """Runs the attempt loop and relays the answer, as an ASGI callable.
 
     A watcher cancels the work as soon as the client disconnects, streaming or not, so the
     upstream connection is closed at once (by the `finally` that owns it).
     """
+
+    tpot_budget_s: float | None = None  # x-slo-tpot-ms (streams): judged when the request ends
 
     def __init__(
         self,
@@ -582,6 +627,7 @@ class Proxy:
         self._status = 499  # until something is sent: a client that leaves first
         self._error_type: str | None = "client_disconnected"
         self._opened: Opened | None = None
+        self._recorded = False  # the committed stream's sample was handed to the store
         self._overhead_s: float | None = None
         self._trace: RequestTrace | None = None
         # Bulk chat waits for a slot on its first candidate (see gateway/batching/gate.py).
@@ -614,6 +660,10 @@ class Proxy:
                 await self._fail(send, "The gateway is shutting down.")
                 raise
             self._error_type = "client_disconnected"
+            opened = self._opened
+            if opened is not None and self._call.stream and not self._recorded:
+                # The client left mid-stream: what the stream showed so far still counts.
+                self._record_stream(opened, ok=False, error=CANCELLED, cut=True)
         except Exception:
             log.exception("request %s failed inside the gateway", self._call.request_id)
             self._status, self._error_type = 500, "internal"
@@ -668,6 +718,19 @@ class Proxy:
             overhead_s=self._overhead_s,
             error_type=self._error_type,
         )
+        if opened is not None:  # the stages of `server-timing`, for `tailguard report`
+            services.meters.stages(
+                self._policy.model,
+                arrived=self._t0,
+                ended=now,
+                started=opened.started,
+                connected=opened.connected,
+                first_token=opened.tally.first_token_at if call.stream else None,
+                last_token=opened.tally.last_token_at,
+                overhead_s=self._overhead_s,
+                queue_s=self._queue_s,
+            )
+        slo = self._judge(now)
         ttft_ms = None
         if tally is not None and tally.first_token_at is not None:
             ttft_ms = round((tally.first_token_at - self._t0) * 1000, 3)
@@ -696,6 +759,7 @@ class Proxy:
                 attributes[sc.TG_TTFT_MS] = ttft_ms
             if self._overhead_s is not None:
                 attributes[sc.TG_OVERHEAD_MS] = round(self._overhead_s * 1000, 3)
+            attributes.update({_SLO_ATTRIBUTES[name]: met for name, met in slo.items()})
             trace.end(status=self._status, attributes=attributes, error_type=self._error_type)
         if services.access.enabled:
             services.access.write(
@@ -716,6 +780,9 @@ class Proxy:
                     "input_tokens": tally.usage.input_tokens if tally is not None else None,
                     "output_tokens": tally.output_tokens if tally is not None else None,
                     "key": self.key.principal.name if self.key is not None else None,
+                    "ttft_met": slo.get("ttft"),
+                    "total_met": slo.get("total"),
+                    "tpot_met": slo.get("tpot"),
                 }
             )
         key = self.key
@@ -727,6 +794,52 @@ class Proxy:
                 prompt = tally.usage.input_tokens
                 used = (key.prompt_estimate if prompt is None else prompt) + tally.output_tokens
             key.runtime.limiter.settle(key.principal, used - key.charged)
+
+    def _judge(self, now: float) -> dict[str, bool]:
+        """Whether the request met each budget it had, counted for the model asked for and the
+        deployment that served (see README, "SLO attainment"); the verdicts, for the span and
+        the access log.
+
+        TTFT (streams): the first content token, from arrival, within the budget. Total: a
+        complete answer (200, no in-band failure) within the budget. TPOT (streams): the mean
+        time per output token after the first within the target. An error misses every budget
+        it had. Not judged: a request the upstream refused as invalid (a 4xx other than 408 and
+        429: it says nothing about latency), and a budget that had not run out when the client
+        left (what had already happened, a first token in time, still counts)."""
+        call, status, error = self._call, self._status, self._error_type
+        ttft_s, total_s = self._policy.ttft_s, self._total_budget_s
+        tpot_s = self.tpot_budget_s if call.stream else None
+        if ttft_s is None and total_s is None and tpot_s is None:
+            return {}
+        gone = error == "client_disconnected"
+        if not gone and 400 <= status < 500 and status not in (408, 429):
+            return {}
+        ok = status == 200 and error is None
+        elapsed = now - self._t0
+        tally = self._opened.tally if self._opened is not None else None
+        first = tally.first_token_at if tally is not None else None
+        verdicts: dict[str, bool] = {}
+        if ttft_s is not None:
+            if first is not None and (ok or gone):
+                verdicts["ttft"] = first - self._t0 <= ttft_s
+            elif ok:  # a complete stream without content: its end was its first token
+                verdicts["ttft"] = elapsed <= ttft_s
+            elif not gone or elapsed > ttft_s:
+                verdicts["ttft"] = False
+        if total_s is not None and (not gone or elapsed > total_s):
+            verdicts["total"] = ok and elapsed <= total_s
+        if tpot_s is not None and not gone:
+            if not ok:
+                verdicts["tpot"] = False
+            elif tally is not None and first and tally.last_token_at and tally.output_tokens > 1:
+                tpot = (tally.last_token_at - first) / (tally.output_tokens - 1)
+                verdicts["tpot"] = tpot <= tpot_s
+        if verdicts:
+            deployment = self._opened.candidate.id if self._opened is not None else None
+            met = {f"{name}_met": verdicts.get(name) for name in ("ttft", "total", "tpot")}
+            self._services.latency.judged(self._policy.model, deployment, **met)
+            self._services.meters.judged(self._policy.model, deployment or "", verdicts)
+        return verdicts
 
     async def _fail(self, send: Send, why: str | None = None) -> None:
         """Answer a failure of the gateway itself in the client's wire: a 500 (503 when shutting
@@ -887,6 +1000,7 @@ class Proxy:
                 output_tokens=tally.output_tokens,
                 hedge_for=opened.hedge_for,
                 endpoint=self._call.endpoint,
+                prompt_bytes=len(self._call.raw),
             )
         )
 
@@ -908,10 +1022,13 @@ class Proxy:
         finished = opened.ended
         body = b"".join(opened.head)
         pending = opened.pending
+        idle_s = opened.candidate.provider.limits.idle_s
+        idle = IdleWatch(idle_s)  # no content for idle_s (keep-alives or not): the stream ends
         try:
             while True:
                 out = [body] if body else []
                 now = time.perf_counter()  # one clock read per network read, not per event
+                tokens = tally.tokens
                 for chunk in pending:
                     if chunk.error is not None:
                         failure = StreamInterruptedError(
@@ -924,6 +1041,8 @@ class Proxy:
                     if chunk.done:
                         finished = True
                         break
+                if tally.tokens != tokens:
+                    idle.progressed()
                 data = b"".join(out)
                 if data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -931,14 +1050,26 @@ class Proxy:
                     break
                 body = b""
                 try:
+                    idle.reading()
                     if deadline is None:  # no budget: skip the timer on this per-event path
                         batch = await stream.read()
                     else:
                         async with asyncio.timeout_at(deadline):
                             batch = await stream.read()
+                    idle.read()
+                except asyncio.CancelledError:
+                    if not idle.expired():
+                        raise
+                    failure = ProviderTimeoutError(  # its message names the deployment
+                        f"no content from the upstream for {round(idle_s * 1000)} ms "
+                        "(the stream idle timeout)",
+                        deployment=opened.candidate.id,
+                        kind="stream_idle",
+                    )
+                    break
                 except TimeoutError:
                     failure = ProviderTimeoutError(
-                        f"{opened.candidate.id}: the total budget of "
+                        "the total budget of "
                         f"{round((self._total_budget_s or 0) * 1000)} ms ran out mid-stream",
                         deployment=opened.candidate.id,
                         kind="total_deadline",
@@ -953,6 +1084,8 @@ class Proxy:
                 pending = batch
         except ProviderError as error:
             failure = StreamInterruptedError(error.message)
+        finally:
+            idle.close()
         if failure is not None:
             log.warning("request %s: stream cut: %s", call.request_id, failure.message)
             self._error_type = failure.code
@@ -967,13 +1100,22 @@ class Proxy:
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._responded = True
-        self._record_stream(
-            opened, ok=failure is None, error=failure.code if failure is not None else None
-        )
+        # Cut by its own total budget, a stream is slow, not broken: its total is censored and
+        # what it observed (TTFT, the pace of its tokens) still counts.
+        cut = isinstance(failure, ProviderTimeoutError) and failure.kind == TOTAL_DEADLINE
+        why = TOTAL_DEADLINE if cut else failure.code if failure is not None else None
+        self._record_stream(opened, ok=failure is None, error=why, cut=cut)
 
-    def _record_stream(self, opened: Opened, *, ok: bool, error: str | None) -> None:
+    def _record_stream(
+        self, opened: Opened, *, ok: bool, error: str | None, cut: bool = False
+    ) -> None:
+        """The committed stream's sample. `cut`: it ended before the upstream finished for a
+        reason not the upstream's (the total budget, the client leaving), so its total is
+        censored ("more than this"); what it observed (TTFT, the pace of its tokens) counts."""
+        self._recorded = True
         tally = opened.tally
         ended = time.perf_counter()
+        total_over = ended - opened.started if cut else None
         ttft = tally.first_token_at - opened.started if tally.first_token_at else None
         tokens = tally.output_tokens
         tpot = None
@@ -992,6 +1134,8 @@ class Proxy:
                 error=error,
                 hedge_for=opened.hedge_for,
                 endpoint=self._call.endpoint,
+                prompt_bytes=len(self._call.raw),
+                total_over_s=total_over,
             )
         )
 
@@ -1093,14 +1237,16 @@ def _latency_view(services: Services) -> dict[str, Any]:
 
 
 def _add_routes(app: FastAPI) -> None:
-    async def wrong_method(request: Request) -> Response:
-        raise StarletteHTTPException(405, "Method Not Allowed", headers={"allow": "POST"})
+    class WrongMethod:
+        """POST to an LLM route is served by EdgeMiddleware; every other method lands here.
+        A plain ASGI endpoint with no method list matches them all (HEAD and OPTIONS too), so
+        none gets the router's own 405 with a list of the methods it was registered for."""
 
-    # POST to these is served by EdgeMiddleware; any other method lands here.
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            raise StarletteHTTPException(405, "Method Not Allowed", headers={"allow": "POST"})
+
     for path in LLM_ROUTES:
-        app.add_api_route(
-            path, wrong_method, methods=["GET", "PUT", "PATCH", "DELETE"], include_in_schema=False
-        )
+        app.router.routes.append(Route(path, WrongMethod(), include_in_schema=False))
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
@@ -1147,6 +1293,15 @@ def _add_routes(app: FastAPI) -> None:
     async def readyz(request: Request) -> Response:
         runtime: Runtime = request.scope["state"]["runtime"]
         services = runtime.services
+        # The status is open to any probe; what is configured and how, only to those allowed.
+        detail = services.settings.server.readiness_detail
+        if detail == "admin" and services.keyring.enabled:
+            try:
+                services.keyring.admin(request.scope["headers"])
+            except GatewayError:
+                detail = "none"
+        if detail == "none":
+            return Response(b'{"status":"ready"}', media_type="application/json")
         body = {
             "status": "ready",
             "providers": sorted(services.providers),

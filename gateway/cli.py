@@ -4,12 +4,10 @@ OpenAI-compatible endpoint's latency."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import re
-import urllib.error
-import urllib.request
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gateway.auth import exposed_without_keys, is_loopback
 from gateway.config import (
     CONFIG_PATH_ENV,
     LOG_LEVEL_ENV,
@@ -77,16 +76,20 @@ def serve(
     """Start the gateway. The config is validated before the port is bound."""
     import uvicorn
 
+    # Who may connect is decided again on every reload, in every worker: the flags that bear on
+    # it are passed on as `TAILGUARD_*` overrides, so each later load of the file sees them.
+    if host is not None:
+        os.environ["TAILGUARD_SERVER__HOST"] = host
+    if allow_unauthenticated:
+        os.environ["TAILGUARD_SERVER__ALLOW_UNAUTHENTICATED"] = "true"
     settings = _load(config)
-    bind_host = host or settings.server.host
+    bind_host = settings.server.host
     bind_port = settings.server.port if port is None else port
     count = workers or settings.server.workers
     names = ", ".join(m.name for m in settings.models)
     keys = settings.auth is not None and settings.auth.enabled
     if not keys:
-        if not is_loopback(bind_host) and not (
-            allow_unauthenticated or settings.server.allow_unauthenticated
-        ):
+        if exposed_without_keys(settings):
             err.print(
                 f"[bold red]error:[/] no API keys are configured, so the gateway only listens on "
                 f"loopback, not on {escape(bind_host)}. Configure auth.keys (see `tailguard keys "
@@ -592,15 +595,16 @@ def stats(
         bool, typer.Option("--json", help="Print the raw JSON of GET /admin/latency.")
     ] = False,
 ) -> None:
-    """Show a running gateway's rolling latency percentiles, per deployment and per model.
-    With API keys configured, set the admin key in $TAILGUARD_ADMIN_KEY."""
+    """Show a running gateway's SLO attainment per model, then its rolling latency percentiles,
+    per deployment and per model. With API keys configured, set the admin key in
+    $TAILGUARD_ADMIN_KEY."""
     body = _fetch_latency(url, admin_key=os.environ.get(ADMIN_KEY_ENV))
     if json_:
         typer.echo(body.decode(errors="replace"))
         return
     try:
         snapshot = json.loads(body)
-        tables = _latency_tables(snapshot)
+        tables = [_attainment_table(snapshot), *_latency_tables(snapshot)]
         header = (
             f"window {snapshot['window_s']:g} s, source {snapshot['source']}, "
             f"snapshot age {snapshot['age_s']:.1f} s; latencies in ms"
@@ -629,25 +633,13 @@ def _latency_url(url: str) -> str:
 
 def _fetch_latency(url: str, timeout_s: float = 3.0, *, admin_key: str | None = None) -> bytes:
     """The body of `GET {url}/admin/latency`; a one-line error and exit code 1 if unreachable."""
-    target = _latency_url(url)
-    headers = {"accept": "application/json"}
-    if admin_key:
-        headers["authorization"] = f"Bearer {admin_key}"
+    from gateway.report import FetchError, fetch
+
     try:
-        request = urllib.request.Request(target, headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body: bytes = response.read()
-            return body
-    except urllib.error.HTTPError as exc:
-        reason = f"HTTP {exc.code} {exc.reason}"
-    except urllib.error.URLError as exc:
-        reason = str(exc.reason)
-    except (OSError, ValueError) as exc:  # timeouts, resets, malformed URLs
-        reason = str(exc) or type(exc).__name__
-    err.print(
-        f"error: cannot read {target}: {reason}", highlight=False, markup=False, soft_wrap=True
-    )
-    raise typer.Exit(code=1)
+        return fetch(url, "/admin/latency", admin_key=admin_key, timeout_s=timeout_s)
+    except FetchError as exc:
+        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
 
 
 def _latency_tables(snapshot: dict[str, Any]) -> list[Table]:
@@ -666,8 +658,9 @@ def _latency_tables(snapshot: dict[str, Any]) -> list[Table]:
             ttft, tpot, total = target["ttft_ms"], target["tpot_ms"], target["total_ms"]
             table.add_row(
                 escape(name),
-                *map(_ms, (ttft["p50"], ttft["p90"], ttft["p99"], tpot["p50"], tpot["p99"])),
-                *map(_ms, (total["p50"], total["p99"])),
+                *(_quantile(ttft, q) for q in ("p50", "p90", "p99")),
+                *(_quantile(tpot, q) for q in ("p50", "p99")),
+                *(_quantile(total, q) for q in ("p50", "p99")),
                 str(target["requests"]),
                 str(target["errors"]),
                 str(target["inflight"]),
@@ -696,6 +689,70 @@ def _ms(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _quantile(metric: dict[str, Any], q: str) -> str:
+    """A quantile (ms); one known only to exceed the latest cut (null, with `beyond_ms`) as
+    "> that"."""
+    value, beyond = metric[q], metric.get("beyond_ms")
+    return f"> {_ms(beyond)}" if value is None and beyond is not None else _ms(value)
+
+
+def _attainment_table(snapshot: dict[str, Any]) -> Table:
+    """Per model: the share of requests that met their TTFT, total and TPOT budgets, the p99
+    against the configured budget, the extra load (rescues per client request) and the prompt
+    tokens of wasted attempts."""
+    table = Table(title="SLO attainment", title_justify="left", box=box.SIMPLE_HEAD, padding=0)
+    models: dict[str, dict[str, Any]] = snapshot["models"]
+    configured = {m["name"]: m["budget"] for m in snapshot.get("config", {}).get("models", ())}
+    names = [*configured, *(name for name in models if name not in configured)]
+    table.add_column("\nmodel", overflow="fold", min_width=min(max(map(len, names), default=0), 16))
+    for column in (
+        "TTFT\nmet",
+        "\np99 / budget",
+        "total\nmet",
+        "\np99 / budget",
+        "TPOT\nmet",
+        "extra\nload",
+        "wasted\nprompt tokens",
+    ):
+        table.add_column(column, justify="right", no_wrap=True)
+    for name in names:
+        target = models.get(name)
+        budget = configured.get(name, {})
+        if target is None:
+            table.add_row(escape(name), *["-"] * 7)
+            continue
+        extra = target.get("extra_load")
+        table.add_row(
+            escape(name),
+            _attained(target["slo"]["ttft"]),
+            _against(target["ttft_ms"], budget.get("ttft_ms")),
+            _attained(target["slo"]["total"]),
+            _against(target["total_ms"], budget.get("total_ms")),
+            _attained(target["slo"]["tpot"]),
+            "-" if extra is None else f"{extra:.1%}",
+            str(target["wasted"]["prompt_tokens"]),
+        )
+    return table
+
+
+def _attained(counts: dict[str, Any]) -> str:
+    """`97.5% (39/40)`: met of judged; "-" when no request had that budget."""
+    if not counts["judged"]:
+        return "-"
+    return f"{counts['met'] / counts['judged']:.1%} ({counts['met']}/{counts['judged']})"
+
+
+def _against(metric: dict[str, Any], budget_ms: float | None) -> str:
+    """The p99 and the budget (ms), in red when the p99 is over it."""
+    p99 = _quantile(metric, "p99")
+    if budget_ms is None:
+        return f"{p99} / -"
+    value = metric["p99"] if metric["p99"] is not None else metric.get("beyond_ms")
+    over = value is not None and value > budget_ms
+    text = f"{p99} / {_ms(budget_ms)}"
+    return f"[red]{escape(text)}[/red]" if over else escape(text)
 
 
 @app.command()
@@ -854,6 +911,85 @@ def _redact_url(url: str) -> str:
     return f"{scheme}://{location}" + ("#***" if hash_ else "")
 
 
+class ReportFormat(StrEnum):
+    markdown = "markdown"
+    json = "json"
+
+
+@app.command()
+def report(
+    url: Annotated[str, typer.Option(help="Base URL of a running gateway.")] = DEFAULT_GATEWAY_URL,
+    format_: Annotated[
+        ReportFormat, typer.Option("--format", help="markdown, or json for the same numbers.")
+    ] = ReportFormat.markdown,
+    out: Annotated[
+        Path | None, typer.Option(help="Write the report to this file instead of stdout.")
+    ] = None,
+    model: Annotated[
+        list[str] | None, typer.Option(help="Only this model (repeatable; default: all).")
+    ] = None,
+    long_from_kib: Annotated[
+        int,
+        typer.Option(
+            help="Request bodies this size or more are long prompts: 2, 4, 8, 16, 32, 64 or 128."
+        ),
+    ] = 8,
+) -> None:
+    """Write a running gateway's latency report: per model, TTFT and total p50/p95/p99 for short
+    and long prompts, each stage against the budget, SLO attainment and what the router did.
+    With API keys configured, set the admin key in $TAILGUARD_ADMIN_KEY."""
+    from gateway.report import CLASS_EDGES_KIB, FetchError, build_report, fetch, render_markdown
+
+    if long_from_kib not in CLASS_EDGES_KIB:
+        err.print(
+            f"error: --long-from-kib must be one of {', '.join(map(str, CLASS_EDGES_KIB))} "
+            "(where a prompt-size band starts)",
+            highlight=False,
+            markup=False,
+        )
+        raise typer.Exit(code=2)
+    admin_key = os.environ.get(ADMIN_KEY_ENV)
+    body = _fetch_latency(url, admin_key=admin_key)
+    try:
+        metrics = fetch(url, "/metrics", admin_key=admin_key).decode(errors="replace")
+    except FetchError as exc:
+        err.print(f"error: {exc}", highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
+    try:
+        data = build_report(
+            json.loads(body),
+            metrics,
+            source=_redact_url(url),
+            models=model,
+            long_from_kib=long_from_kib,
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        err.print(
+            f"error: {_latency_url(url)}: unexpected answer ({exc!r})",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(code=1) from None
+    unknown = sorted(set(model or ()) - set(data["models"]))
+    if unknown:
+        err.print(
+            f"error: the gateway has no model named {', '.join(unknown)}",
+            highlight=False,
+            markup=False,
+        )
+        raise typer.Exit(code=2)
+    if format_ is ReportFormat.json:
+        text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    else:
+        text = render_markdown(data)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text, encoding="utf-8")
+        err.print(f"Report written to {out}", highlight=False, markup=False)
+
+
 def main() -> None:
     app()
 
@@ -918,15 +1054,6 @@ def keys_hash() -> None:
         err.print("[bold red]error:[/] no key on stdin", highlight=False)
         raise typer.Exit(code=2)
     typer.echo(hash_key(key))
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 bench_app = typer.Typer(

@@ -54,6 +54,21 @@ class ServerSpec(_Spec):
     # its first byte (or of the connection), and its body within read_timeout_s of its headers.
     max_header_bytes: Annotated[int, Field(ge=1024, le=1024 * 1024)] = 64 * 1024
     read_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    keepalive_timeout_s: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=3600,
+            description="How long an idle keep-alive connection stays open, counted from the "
+            "end of its last response (bytes that begin no request do not extend it).",
+        ),
+    ] = 5.0
+    readiness_detail: Literal["admin", "public", "none"] = Field(
+        "admin",
+        description="Who sees /readyz's detail (providers, models, stores, config): `admin` "
+        "(an admin key, when keys are configured), `public` (anyone) or `none`. The status "
+        "itself is always open.",
+    )
     max_concurrent: Annotated[int, Field(gt=0)] | None = 1000  # LLM requests in flight, per worker
     # Without API keys the gateway serves only loopback unless this says otherwise.
     allow_unauthenticated: bool = False
@@ -84,6 +99,36 @@ class ProviderSpec(_Spec):
     )
     connect_timeout_ms: Annotated[int, Field(gt=0)] = 5_000
     read_timeout_ms: Annotated[int, Field(gt=0)] = 600_000
+    stream_idle_timeout_ms: Annotated[
+        int,
+        Field(
+            gt=0,
+            le=3_600_000,
+            description="A streamed response that makes no content progress for this long "
+            "is given up on, whatever else it sends (keep-alives, a trickle of bytes): before "
+            "the first content token the attempt fails (failover, else 504), after it the "
+            "stream ends with an error event. Counted from the attempt's start, then from "
+            "each content token.",
+        ),
+    ] = 60_000
+    max_precommit_events: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=1_000_000,
+            description="Events (comments, keep-alives, empty or role-only chunks) an upstream "
+            "may send before its first content token; one more fails the attempt.",
+        ),
+    ] = 1_000
+    max_precommit_bytes: Annotated[
+        int,
+        Field(
+            ge=1024,
+            le=1024 * 1024 * 1024,
+            description="Bytes of events an upstream may send before its first content token "
+            "(the gateway holds them until it commits); more fail the attempt.",
+        ),
+    ] = 1024 * 1024
     max_connections: Annotated[int, Field(ge=1)] = 1_000
     max_keepalive_connections: Annotated[int, Field(ge=0)] = 100
     anthropic_version: str = "2023-06-01"
@@ -163,6 +208,8 @@ class ModelSpec(_Spec):
     budget: BudgetSpec = BudgetSpec()
     fallbacks: tuple[str, ...] = ()
     on_ttft_miss: OnTTFTMiss = "failover"
+    # Cap on latency rescues (hedges and deadline failovers together), as a share of the
+    # model's client requests over the window; over it, a slow attempt is waited for.
     hedge_max_fraction: Annotated[float, Field(ge=0, le=1)] = 0.05
     priority: Priority = "interactive"
     batching: BatchingSpec | None = None
@@ -252,9 +299,21 @@ class RateLimitSpec(_Spec):
 
     store: Literal["auto", "memory", "redis"] = "auto"  # auto: redis when latency.store is
     redis_url: SecretStr | None = None  # default: latency.redis_url
-    timeout_ms: Annotated[int, Field(gt=0, le=5000)] = 50  # the one round trip's cap
+    # The one round trip's cap, counted in Redis's time: while this process's event loop is too
+    # busy to read the answer, the wait is extended (up to 10x, at most 1 s more).
+    timeout_ms: Annotated[int, Field(gt=0, le=5000)] = 50
     # open: each replica enforces the limits on its own meanwhile; closed: refuse with 503.
     on_store_error: Literal["open", "closed"] = "open"
+    default_output_tokens: Annotated[
+        int,
+        Field(
+            gt=0,
+            le=1_000_000,
+            description="Output tokens charged at admission to a request that sets no "
+            "max_tokens, on a key without a max_tokens cap, while its model has no observed "
+            "outputs (then their mean is charged). The charge is settled with the real usage.",
+        ),
+    ] = 1024
 
 
 class AuthSpec(_Spec):

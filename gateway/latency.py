@@ -34,6 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
+from gateway.prompt_size import band_label, band_of
 from gateway.sketch import DEFAULT_ALPHA, Sketch, latency_report
 
 __all__ = [
@@ -41,7 +42,9 @@ __all__ = [
     "HEDGE_LOST",
     "METRICS",
     "NOT_FAILURES",
+    "TOTAL_DEADLINE",
     "TTFT_DEADLINE",
+    "BandStats",
     "FanOutRecorder",
     "LatencyStore",
     "MemoryLatencyStore",
@@ -51,6 +54,7 @@ __all__ = [
     "RedisClient",
     "RedisLatencyStore",
     "RedisTarget",
+    "SLOStats",
     "Sample",
     "Sketch",
     "Snapshot",
@@ -77,6 +81,13 @@ class Sample:
     total_s: float
     ttft_s: float | None = None  # streaming only: attempt start to first content token
     tpot_s: float | None = None  # mean time per output token after the first
+    # Right-censored observations: the attempt was cut (a deadline, a hedge that won, the total
+    # budget, a client that left) after this long, so its TTFT or total is known only to exceed
+    # it. What a cut attempt did observe (a first token, its tokens' pace) is kept as measured.
+    ttft_over_s: float | None = None
+    total_over_s: float | None = None
+    prompt_bytes: int | None = None  # the request body's size: TTFT is also kept per size band
+    wasted: bool = False  # started and thrown away for another attempt of the same request
     input_tokens: int | None = None
     output_tokens: int | None = None
     error: str | None = None  # why the attempt ended early (low-cardinality), when not ok
@@ -125,44 +136,89 @@ TTFT_DEADLINE = (
 )
 HEDGE_LOST = "hedge_lost"  # the waited-on attempt a hedge beat: censored at its cancellation
 CANCELLED = "cancelled"  # an attempt nobody needed any more (a hedge that lost, a client gone)
-NOT_FAILURES = frozenset({HEDGE_LOST, CANCELLED})  # ended early, but not the deployment's fault
+TOTAL_DEADLINE = "total_deadline"  # a stream the request's total budget cut before its end
+NOT_FAILURES = frozenset({HEDGE_LOST, CANCELLED, TOTAL_DEADLINE})  # cut, not the upstream's fault
+_CUT_BEFORE_FIRST_TOKEN = frozenset({TTFT_DEADLINE, HEDGE_LOST, CANCELLED})
 Source = Literal["memory", "redis", "local-fallback"]
+RECENT_SLICES = 2  # the recent view: the current slice and the one before (~5-10 s)
+BYTES_PER_TOKEN = 4  # a request body's bytes per prompt token, roughly (no tokenizer on the path)
 _MODEL_TAG = "model:"  # hash-tag prefix of per-model keys; deployments are tagged by bare name
 
 
-def observations(sample: Sample) -> list[tuple[Metric, float]]:
-    """The latencies (ms) a sample contributes.
+def observations(sample: Sample) -> list[tuple[Metric, float, bool]]:
+    """The latencies (ms) a sample contributes, each with whether it is censored.
 
-    A failed attempt contributes none (it is counted as an error), except a TTFT deadline miss or
-    a lost hedge race: its `total_s` is the time it had waited, a lower bound on its TTFT, so it is
-    kept as a censored TTFT sample and a stalled deployment looks slow rather than merely erroring.
+    A successful attempt contributes what it measured. An attempt that ended early contributes
+    what it saw (a first token and the pace of its tokens, when it got that far) exactly, and
+    what it did not see as censored: "TTFT > t" for one cut before its first token, "total > t"
+    for one cut before its end. Plain failures (errors) contribute nothing but their count.
     """
+    found: list[tuple[Metric, float, bool]] = []
     if sample.ok:
-        found: list[tuple[Metric, float]] = [("total", sample.total_s * 1000.0)]
-        if sample.ttft_s is not None:
-            found.append(("ttft", sample.ttft_s * 1000.0))
-        if sample.tpot_s is not None:
-            found.append(("tpot", sample.tpot_s * 1000.0))
-        return found
-    if sample.error == TTFT_DEADLINE or sample.error == HEDGE_LOST:
-        return [("ttft", sample.total_s * 1000.0)]
-    return []
+        found.append(("total", sample.total_s * 1000.0, False))
+    elif sample.total_over_s is not None:
+        found.append(("total", sample.total_over_s * 1000.0, True))
+    if sample.ttft_s is not None:
+        found.append(("ttft", sample.ttft_s * 1000.0, False))
+    elif sample.ttft_over_s is not None:
+        found.append(("ttft", sample.ttft_over_s * 1000.0, True))
+    elif sample.error in _CUT_BEFORE_FIRST_TOKEN and sample.total_over_s is None:
+        found.append(("ttft", sample.total_s * 1000.0, True))
+    if sample.tpot_s is not None:
+        found.append(("tpot", sample.tpot_s * 1000.0, False))
+    return found
 
 
 def _tags(sample: Sample) -> tuple[str, str]:
     return sample.deployment, _MODEL_TAG + sample.model
 
 
+class _Band:
+    """TTFT and total time of one prompt-size band, and the sizes its TTFT observations had
+    (for a fit across bands)."""
+
+    __slots__ = ("bytes", "sketch", "total")
+
+    def __init__(self, alpha: float) -> None:
+        self.sketch = Sketch(alpha)  # TTFT
+        self.total = Sketch(alpha)
+        self.bytes = 0  # summed over the band's TTFT observations
+
+    def merge(self, other: _Band) -> None:
+        self.sketch.merge(other.sketch)
+        self.total.merge(other.total)
+        self.bytes += other.bytes
+
+
 class _Counts:
     """One slice (or a merged window) of one deployment or model."""
 
-    __slots__ = ("errors", "hedges", "output_tokens", "outputs", "requests", "sketches")
+    __slots__ = (
+        "alpha",
+        "bands",
+        "clients",
+        "errors",
+        "hedges",
+        "output_tokens",
+        "outputs",
+        "requests",
+        "sketches",
+        "slo",
+        "wasted",
+        "wasted_tokens",
+    )
 
     def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
         self.sketches: dict[Metric, Sketch] = {m: Sketch(alpha) for m in METRICS}
+        self.bands: dict[int, _Band] = {}  # TTFT by prompt-size band (see gateway/prompt_size)
         self.requests = 0
+        self.clients = 0  # client requests that asked for this model name (models only)
         self.errors = 0
-        self.hedges = 0
+        self.hedges = 0  # latency rescues (hedges, deadline failovers) for this model's requests
+        self.slo = [0] * 6  # met and judged, for ttft, total and tpot (see `judged`)
+        self.wasted = 0  # attempts started and thrown away for another of the same request
+        self.wasted_tokens = 0  # their prompt tokens (estimated from the body: ~4 bytes each)
         self.output_tokens = 0  # summed over `outputs` successful attempts that reported them
         self.outputs = 0
 
@@ -174,11 +230,26 @@ class _Counts:
         if sample.ok and sample.output_tokens:
             self.output_tokens += sample.output_tokens
             self.outputs += 1
+        if sample.wasted:
+            self.wasted += 1
+            self.wasted_tokens += (sample.prompt_bytes or 0) // BYTES_PER_TOKEN
+
+    def band(self, band: int) -> _Band:
+        found = self.bands.get(band)
+        if found is None:
+            found = self.bands[band] = _Band(self.alpha)
+        return found
 
     def merge(self, other: _Counts) -> None:
         for metric, sketch in other.sketches.items():
             self.sketches[metric].merge(sketch)
+        for band, counts in other.bands.items():
+            self.band(band).merge(counts)
         self.requests += other.requests
+        self.clients += other.clients
+        self.slo = [a + b for a, b in zip(self.slo, other.slo, strict=True)]
+        self.wasted += other.wasted
+        self.wasted_tokens += other.wasted_tokens
         self.errors += other.errors
         self.hedges += other.hedges
         self.output_tokens += other.output_tokens
@@ -224,50 +295,137 @@ class _Windows:
     def tags(self) -> set[str]:
         return set(self._slices)
 
-    def merged(self, now: float) -> dict[str, _Counts]:
+    def merged(self, now: float, *, last: int | None = None) -> dict[str, _Counts]:
+        """Every tag's counts over the window (over its `last` slices only, when given)."""
         window = self.window(now)
+        start = window.start if last is None else window.stop - last
         out: dict[str, _Counts] = {}
         for tag, slices in self._slices.items():
             total = out[tag] = _Counts(self.alpha)
             for index in [i for i in slices if i < window.start]:
                 del slices[index]
             for index, counts in slices.items():
-                if index in window:
+                if start <= index < window.stop:
                     total.merge(counts)
         return out
 
 
 @dataclass(frozen=True, slots=True)
 class MetricStats:
-    """Percentiles (ms) of one metric over the window; None when there are no samples."""
+    """Percentiles (ms) of one metric over the window; None when there are no samples, and
+    `math.inf` when the quantile lies beyond every exact value because the slower observations
+    were all cut (it is then known only to exceed `beyond`)."""
 
     p50: float | None
     p90: float | None
     p95: float | None
     p99: float | None
-    count: int
+    count: int  # observations, censored ones included
     trusted: bool  # count >= min_samples: below that p99 is little more than the maximum
+    censored: int = 0  # observations known only as "more than t"
+    beyond: float | None = None  # the latest cut time among them
 
     @classmethod
     def of(cls, sketch: Sketch, min_samples: int) -> MetricStats:
         if sketch.count == 0:
             return cls(None, None, None, None, 0, False)
         p50, p90, p95, p99 = sketch.quantiles((0.50, 0.90, 0.95, 0.99))
-        return cls(p50, p90, p95, p99, sketch.count, sketch.count >= min_samples)
+        count = sketch.count
+        return cls(
+            p50,
+            p90,
+            p95,
+            p99,
+            count,
+            count >= min_samples,
+            sketch.censored_count,
+            sketch.largest_cut(),
+        )
 
     def as_dict(self) -> dict[str, float | int | None]:
         # The sketch is only good to ~2% anyway: three decimals of a millisecond is plenty.
+        # A quantile known only to exceed `beyond_ms` is null.
         return {
             "p50": _ms(self.p50),
             "p90": _ms(self.p90),
             "p95": _ms(self.p95),
             "p99": _ms(self.p99),
             "count": self.count,
+            "censored": self.censored,
+            "beyond_ms": _ms(self.beyond),
         }
 
 
 def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
+    return None if value is None or math.isinf(value) else round(value, 3)
+
+
+SLO = Literal["ttft", "total", "tpot"]
+SLOS: tuple[SLO, ...] = ("ttft", "total", "tpot")
+
+
+@dataclass(frozen=True, slots=True)
+class SLOStats:
+    """How many of the window's client requests met their TTFT, total and TPOT budgets, of
+    those that had one (a request is judged on each budget it carries; an error misses all)."""
+
+    ttft_met: int = 0
+    ttft_judged: int = 0
+    total_met: int = 0
+    total_judged: int = 0
+    tpot_met: int = 0
+    tpot_judged: int = 0
+
+    def counts(self, slo: SLO) -> tuple[int, int]:
+        """(met, judged) for one SLO."""
+        at = SLOS.index(slo)
+        values = (
+            self.ttft_met,
+            self.ttft_judged,
+            self.total_met,
+            self.total_judged,
+            self.tpot_met,
+            self.tpot_judged,
+        )
+        return values[2 * at], values[2 * at + 1]
+
+    def attainment(self, slo: SLO) -> float | None:
+        met, judged = self.counts(slo)
+        return met / judged if judged else None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for slo in SLOS:
+            met, judged = self.counts(slo)
+            share = self.attainment(slo)
+            out[slo] = {
+                "met": met,
+                "judged": judged,
+                "attainment": None if share is None else round(share, 4),
+            }
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class BandStats:
+    """TTFT of one prompt-size band over the window, and the mean body size it saw."""
+
+    ttft: MetricStats
+    mean_bytes: float
+    total: MetricStats = field(default_factory=lambda: MetricStats.of(Sketch(), 1))
+
+    def as_dict(self, band: int) -> dict[str, Any]:
+        return {
+            "band": band,
+            "prompt": band_label(band),
+            "mean_prompt_bytes": round(self.mean_bytes),
+            **self.ttft.as_dict(),
+            "total_ms": self.total.as_dict(),
+        }
+
+
+def _no_bands() -> Mapping[int, BandStats]:
+    return MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,8 +438,13 @@ class TargetStats:
     requests: int  # attempts that ended in the window, failed ones and hedges included
     errors: int  # attempts that failed (lost hedge races and cancellations are not failures)
     inflight: int  # this process's attempts in progress now (not shared between replicas)
-    hedges: int = 0  # hedges started for requests to this model (models only)
+    hedges: int = 0  # latency rescues (hedges, deadline failovers) for this model's requests
+    clients: int = 0  # client requests that asked for this model name (models only)
+    slo: SLOStats = field(default_factory=SLOStats)
+    wasted: int = 0  # attempts started and thrown away for another of the same request
+    wasted_prompt_tokens: int = 0  # their prompt tokens (estimated)
     output_tokens: float | None = None  # mean output length of the successful attempts
+    bands: Mapping[int, BandStats] = field(default_factory=_no_bands)  # TTFT by prompt size
 
     @classmethod
     def empty(cls) -> TargetStats:
@@ -301,12 +464,17 @@ class TargetStats:
             "requests": self.requests,
             "errors": self.errors,
             "hedges": self.hedges,
+            "client_requests": self.clients,
+            "extra_load": round(self.hedges / self.clients, 4) if self.clients else None,
+            "slo": self.slo.as_dict(),
+            "wasted": {"attempts": self.wasted, "prompt_tokens": self.wasted_prompt_tokens},
             "inflight": self.inflight,
             "output_tokens_mean": None
             if self.output_tokens is None
             else round(self.output_tokens, 1),
             "trusted": self.trusted,
             "cooldown_until": None,  # filled in by the router's view, which owns cooldowns
+            "ttft_by_prompt": [self.bands[b].as_dict(b) for b in sorted(self.bands)],
         }
 
 
@@ -323,6 +491,9 @@ class Snapshot:
     source: Source
     deployments: Mapping[str, TargetStats] = field(default_factory=_no_targets)
     models: Mapping[str, TargetStats] = field(default_factory=_no_targets)
+    # Deployments over the last `RECENT_SLICES` slices only: how a deployment that was routed
+    # away is doing now (its full window still holds the bad spell it was routed away for).
+    recent: Mapping[str, TargetStats] = field(default_factory=_no_targets)
 
     def age_s(self, now: float | None = None) -> float:
         return (time.time() if now is None else now) - self.taken_at
@@ -348,6 +519,7 @@ def _snapshot(
     now: float,
     source: Source,
     alpha: float,
+    recent: Mapping[str, _Counts] | None = None,
 ) -> Snapshot:
     deployments: dict[str, TargetStats] = {}
     models: dict[str, TargetStats] = {}
@@ -361,18 +533,47 @@ def _snapshot(
             errors=counts.errors,
             inflight=inflight.get(tag, 0),
             hedges=counts.hedges,
+            clients=counts.clients,
+            slo=SLOStats(*counts.slo),
+            wasted=counts.wasted,
+            wasted_prompt_tokens=counts.wasted_tokens,
             output_tokens=counts.output_tokens / counts.outputs if counts.outputs else None,
+            bands=MappingProxyType(
+                {
+                    band: BandStats(
+                        MetricStats.of(found.sketch, min_samples),
+                        found.bytes / found.sketch.count if found.sketch.count else 0.0,
+                        MetricStats.of(found.total, min_samples),
+                    )
+                    for band, found in counts.bands.items()
+                    if found.sketch.count or found.total.count
+                }
+            ),
         )
         if tag.startswith(_MODEL_TAG):
             models[tag.removeprefix(_MODEL_TAG)] = stats
         else:
             deployments[tag] = stats
+    latest: dict[str, TargetStats] = {}
+    recent_min = max(1, min_samples // 2)  # judged on a short spell: fewer samples, by design
+    for tag, counts in (recent or {}).items():
+        if tag.startswith(_MODEL_TAG) or not counts.requests:
+            continue
+        latest[tag] = TargetStats(
+            ttft=MetricStats.of(counts.sketches["ttft"], recent_min),
+            tpot=MetricStats.of(counts.sketches["tpot"], recent_min),
+            total=MetricStats.of(counts.sketches["total"], recent_min),
+            requests=counts.requests,
+            errors=counts.errors,
+            inflight=inflight.get(tag, 0),
+        )
     return Snapshot(
         window_s=window_s,
         taken_at=now,
         source=source,
         deployments=MappingProxyType(deployments),
         models=MappingProxyType(models),
+        recent=MappingProxyType(latest),
     )
 
 
@@ -392,6 +593,18 @@ class LatencyStore(Recorder, Protocol):
     def started(self, deployment: str, model: str | None = None) -> None: ...
 
     def finished(self, deployment: str, model: str | None = None) -> None: ...
+
+    def arrived(self, model: str) -> None: ...
+
+    def judged(
+        self,
+        model: str,
+        deployment: str | None,
+        *,
+        ttft_met: bool | None,
+        total_met: bool | None,
+        tpot_met: bool | None = None,
+    ) -> None: ...
 
     def inflight(self, tag: str) -> int: ...
 
@@ -438,19 +651,60 @@ class MemoryLatencyStore:
     def record(self, sample: Sample) -> None:
         self._record_local(sample, self._windows.slice_of(self._clock()))
 
-    def _record_local(self, sample: Sample, index: int) -> list[tuple[Metric, int]]:
+    def _record_local(self, sample: Sample, index: int) -> list[tuple[Metric, int, bool]]:
         """Count `sample` into slice `index`; return the bucket key of each observation."""
         found = observations(sample)
-        keyed = [(metric, self._mapping.key(ms)) for metric, ms in found]
+        keyed = [(metric, self._mapping.key(ms), censored) for metric, ms, censored in found]
         for tag in _tags(sample):
             counts = self._windows.counts(tag, index)
             counts.add(sample)
-            for metric, key in keyed:
-                counts.sketches[metric].add_key(key)
+            for metric, key, censored in keyed:
+                if censored:
+                    counts.sketches[metric].add_censored_key(key)
+                else:
+                    counts.sketches[metric].add_key(key)
+                if metric != "tpot" and sample.prompt_bytes is not None:
+                    band = counts.band(band_of(sample.prompt_bytes))
+                    sketch = band.total
+                    if metric == "ttft":
+                        band.bytes += sample.prompt_bytes
+                        sketch = band.sketch
+                    if censored:
+                        sketch.add_censored_key(key)
+                    else:
+                        sketch.add_key(key)
         if sample.hedge_for is not None:
             # Hedges count against the model the client asked for, whose cap they spend.
             self._windows.counts(_MODEL_TAG + sample.hedge_for, index).hedges += 1
         return keyed
+
+    def arrived(self, model: str) -> None:
+        """A client request for `model` was admitted: what caps on extra load are a share of."""
+        self._windows.counts(_MODEL_TAG + model, self._windows.slice_of(self._clock())).clients += 1
+
+    def judged(
+        self,
+        model: str,
+        deployment: str | None,
+        *,
+        ttft_met: bool | None,
+        total_met: bool | None,
+        tpot_met: bool | None = None,
+    ) -> None:
+        """A client request for `model` ended: whether it met its TTFT, total and TPOT budgets
+        (None: it had no such budget), counted for the model and the deployment that served it."""
+        index = self._windows.slice_of(self._clock())
+        tags = [_MODEL_TAG + model] if deployment is None else [_MODEL_TAG + model, deployment]
+        for tag in tags:
+            slo = self._windows.counts(tag, index).slo
+            for at, met in enumerate((ttft_met, total_met, tpot_met)):
+                if met is not None:
+                    slo[2 * at] += met
+                    slo[2 * at + 1] += 1
+        self._judged(tags, index)
+
+    def _judged(self, tags: list[str], index: int) -> None:
+        """Hook for stores that share what was counted."""
 
     def inflight(self, tag: str) -> int:
         """Attempts in progress now on a deployment (this process only)."""
@@ -480,6 +734,7 @@ class MemoryLatencyStore:
             now=now,
             source=source or self._source,
             alpha=self.alpha,
+            recent=self._windows.merged(now, last=RECENT_SLICES),
         )
 
     async def flush(self) -> None:
@@ -800,6 +1055,15 @@ class RedisLatencyStore(MemoryLatencyStore):
             place = (_MODEL_TAG + sample.hedge_for, index)
             dirty[place] = dirty.get(place, 0)
 
+    def arrived(self, model: str) -> None:
+        super().arrived(model)
+        place = (_MODEL_TAG + model, self._windows.slice_of(self._clock()))
+        self._dirty[place] = self._dirty.get(place, 0)
+
+    def _judged(self, tags: list[str], index: int) -> None:
+        for tag in tags:
+            self._dirty[(tag, index)] = self._dirty.get((tag, index), 0)
+
     @property
     def pending_fields(self) -> int:
         """Hashes (deployment or model, slice) waiting for the next flush (one `HSET` each)."""
@@ -936,15 +1200,20 @@ class RedisLatencyStore(MemoryLatencyStore):
             else:
                 fresh[place] = others
         merged: dict[str, _Counts] = {}
+        recent: dict[str, _Counts] = {}
+        recent_from = window.stop - RECENT_SLICES
         for tag in tags:
             total = merged[tag] = _Counts(self.alpha)
+            latest = recent[tag] = _Counts(self.alpha)
             for index in window:
-                shared = (self._closed if index < open_from else fresh).get((tag, index))
-                if shared is not None:
-                    total.merge(shared)
-                mine = self._windows.peek(tag, index)
-                if mine is not None:
-                    total.merge(mine)
+                for found in (
+                    (self._closed if index < open_from else fresh).get((tag, index)),
+                    self._windows.peek(tag, index),
+                ):
+                    if found is not None:
+                        total.merge(found)
+                        if index >= recent_from:
+                            latest.merge(found)
         return _snapshot(
             merged,
             self._inflight,
@@ -953,6 +1222,7 @@ class RedisLatencyStore(MemoryLatencyStore):
             now=now,
             source="redis",
             alpha=self.alpha,
+            recent=recent,
         )
 
     def health(self) -> dict[str, Any]:
@@ -982,9 +1252,30 @@ def _pack(counts: _Counts) -> bytes:
             "r": counts.requests,
             "e": counts.errors,
             "h": counts.hedges,
+            "c": counts.clients,
+            "s": counts.slo,
+            "w": [counts.wasted, counts.wasted_tokens],
             "o": counts.output_tokens,
             "on": counts.outputs,
             **{metric: sketch.buckets for metric, sketch in counts.sketches.items()},
+            # Censored observations ("more than t"), by metric; absent when there are none, so
+            # replicas that predate them read the field unchanged.
+            **{
+                f"{metric}>": sketch.censored_buckets
+                for metric, sketch in counts.sketches.items()
+                if sketch.censored_count
+            },
+            # TTFT by prompt-size band: exact and censored buckets, and the sizes summed.
+            "b": {
+                band: [
+                    counts_.sketch.buckets,
+                    counts_.sketch.censored_buckets,
+                    counts_.bytes,
+                    counts_.total.buckets,
+                    counts_.total.censored_buckets,
+                ]
+                for band, counts_ in counts.bands.items()
+            },
         },
         option=orjson.OPT_NON_STR_KEYS,
     )
@@ -996,12 +1287,28 @@ def _unpack_into(counts: _Counts, packed: str | bytes) -> None:
         counts.requests += int(data.get("r", 0))
         counts.errors += int(data.get("e", 0))
         counts.hedges += int(data.get("h", 0))
+        counts.clients += int(data.get("c", 0))
+        slo = [*(data.get("s") or ()), 0, 0, 0, 0, 0, 0][:6]
+        counts.slo = [a + int(b) for a, b in zip(counts.slo, slo, strict=True)]
+        wasted, wasted_tokens = data.get("w") or (0, 0)
+        counts.wasted += int(wasted)
+        counts.wasted_tokens += int(wasted_tokens)
         counts.output_tokens += int(data.get("o", 0))
         counts.outputs += int(data.get("on", 0))
         for metric in METRICS:
             sketch = counts.sketches[metric]
             for key, n in (data.get(metric) or {}).items():
                 sketch.add_key(int(key), int(n))
+            for key, n in (data.get(f"{metric}>") or {}).items():
+                sketch.add_censored_key(int(key), int(n))
+        for band, (exact, cut, size, *total) in (data.get("b") or {}).items():
+            into = counts.band(int(band))
+            into.bytes += int(size)
+            for sketch, (exact_, cut_) in ((into.sketch, (exact, cut)), (into.total, total)):
+                for key, n in exact_.items():
+                    sketch.add_key(int(key), int(n))
+                for key, n in cut_.items():
+                    sketch.add_censored_key(int(key), int(n))
     except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
         logger.warning("latency store: ignoring a malformed entry in Redis")
 

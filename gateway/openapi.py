@@ -55,6 +55,8 @@ ERROR_STATUSES: Final[dict[int, str]] = {
 _LLM_PARAMETERS: Final = (
     "TTFTBudget",
     "TotalBudget",
+    "SLOTTFT",
+    "SLOTPOT",
     "Priority",
     "RequestId",
     "Traceparent",

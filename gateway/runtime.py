@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, exposed_without_keys
 from gateway.batching import BatchingProvider, BulkGate
-from gateway.config import ConfigError, ModelSpec, Settings, load_settings
+from gateway.config import ConfigError, ModelSpec, RateLimitSpec, Settings, load_settings
 from gateway.latency import (
     FanOutRecorder,
     LatencyStore,
@@ -43,6 +43,7 @@ from gateway.telemetry import (
     AccessLog,
     BatchingCollector,
     BatchingState,
+    ExtraLoadCollector,
     GuardsCollector,
     LatencyStoreCollector,
     LimitsCollector,
@@ -107,6 +108,7 @@ class Runtime:
         self.config_path = config_path
         self.reloads = 0  # successful reloads
         self.reload_failures = 0
+        self.last_failure: str | None = None  # why the latest reload was refused, if it was
         self.loaded_at = time.time()
         self._initial = settings
         self._extra_recorder = recorder
@@ -143,6 +145,10 @@ class Runtime:
                 ),
                 BatchingCollector(self._batching_state),
                 LimitsCollector(self._limits_state),
+                ExtraLoadCollector(
+                    lambda: self.latency.snapshot,
+                    lambda: (m.name for m in self.services.settings.models),
+                ),
             )
             self.meters = Meters(self.registry, {})
             self.services = await self._build(settings, guards=None)
@@ -230,7 +236,9 @@ class Runtime:
         """Load the config file again and, if it is valid, serve it from the next request on.
 
         An invalid file is logged and the running config kept. `server` and `latency` changes
-        need a restart: they are kept as they were, with a warning.
+        need a restart: they are kept as they were, with a warning. A file without API keys is
+        refused, as at start-up, while the gateway listens beyond loopback and
+        `server.allow_unauthenticated` is off: a reload never turns authentication off there.
         """
         if self.config_path is None:
             return False
@@ -239,7 +247,7 @@ class Runtime:
             try:
                 settings = await asyncio.to_thread(load_settings, self.config_path)
             except ConfigError as exc:
-                self.reload_failures += 1
+                self._failed(str(exc))
                 log.error("config reload rejected, the running config is kept: %s", exc)
                 return False
             fixed: dict[str, Any] = {}
@@ -252,15 +260,31 @@ class Runtime:
                 log.warning("config reload: `auth.rate_limits` changes need a restart")
             if fixed:
                 settings = settings.model_copy(update=fixed)
+            if exposed_without_keys(settings):
+                reason = (
+                    f"the new config has no API keys and the gateway listens on "
+                    f"{settings.server.host}, beyond loopback, without "
+                    "server.allow_unauthenticated: authentication stays on"
+                )
+                self._failed(reason)
+                log.error("config reload refused, the running config is kept: %s", reason)
+                return False
+            if old.keyring.enabled and not KeyRing(settings.auth).enabled:
+                log.warning(
+                    "config reload: the new config has no API keys, authentication is now off "
+                    "(listening on %s)",
+                    settings.server.host,
+                )
             same_routing = settings.routing == old.settings.routing
             try:
                 new = await self._build(settings, guards=old.guards if same_routing else None)
-            except Exception:
-                self.reload_failures += 1
+            except Exception as exc:
+                self._failed(f"the new config could not be opened ({type(exc).__name__})")
                 log.exception("config reload failed, the running config is kept")
                 return False
             self.services = new
             self.reloads += 1
+            self.last_failure = None
             self.loaded_at = time.time()
             log.info(
                 "config reloaded from %s: %d models, %d providers",
@@ -272,6 +296,10 @@ class Runtime:
             self._draining.add(task)
             task.add_done_callback(self._draining.discard)
             return True
+
+    def _failed(self, reason: str) -> None:
+        self.reload_failures += 1
+        self.last_failure = reason
 
     async def _drain(self, old: Services) -> None:
         """Close the replaced config's connection pools once its last request has ended."""
@@ -308,6 +336,8 @@ class Runtime:
         return LimitsState(
             rate_limited=self.limiter.refused,
             store_errors=self.limiter.store_errors,
+            store_outages=self.limiter.outages,
+            store_degraded=self.limiter.degraded,
             concurrency_refused=self.admission.refused,
             in_flight=self.admission.active,
         )
@@ -319,6 +349,7 @@ class Runtime:
             "loaded_at": round(self.loaded_at, 3),
             "reloads": self.reloads,
             "reload_failures": self.reload_failures,
+            "last_failure": self.last_failure,  # null once a reload has succeeded
         }
 
     def _reload_soon(self) -> None:
@@ -350,7 +381,8 @@ class Runtime:
 
 
 def _rate_limit_store(settings: Settings) -> Any:
-    return settings.auth.rate_limits if settings.auth is not None else None
+    # No auth section: the defaults, as `open_rate_limiter` takes them.
+    return settings.auth.rate_limits if settings.auth is not None else RateLimitSpec()
 
 
 def _digest(path: Path) -> bytes | None:

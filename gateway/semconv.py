@@ -44,6 +44,10 @@ TG_BUDGET_TTFT_MS: Final = "tailguard.budget.ttft_ms"
 TG_BUDGET_TOTAL_MS: Final = "tailguard.budget.total_ms"
 TG_TTFT_MS: Final = "tailguard.ttft_ms"
 TG_OVERHEAD_MS: Final = "tailguard.overhead_ms"
+# Whether the request met each budget it had (absent: it had none, or was not judged).
+TG_SLO_TTFT_MET: Final = "tailguard.slo.ttft_met"
+TG_SLO_TOTAL_MET: Final = "tailguard.slo.total_met"
+TG_SLO_TPOT_MET: Final = "tailguard.slo.tpot_met"
 
 # Operation names (gen_ai.operation.name) per gateway endpoint.
 OPERATIONS: Final = {
@@ -87,9 +91,20 @@ COOLDOWNS: Final = "tailguard_cooldowns"  # counter: deployment (times its break
 RETRY_BUDGET_EXHAUSTED: Final = "tailguard_retry_budget_exhausted"
 RATE_LIMITED: Final = "tailguard_rate_limited"  # counter: key, limit (requests | tokens)
 RATE_LIMIT_STORE_ERRORS: Final = "tailguard_rate_limit_store_errors"  # counter
+RATE_LIMIT_STORE_OUTAGES: Final = "tailguard_rate_limit_store_outages"  # counter: breaker opened
+RATE_LIMIT_DEGRADED: Final = "tailguard_rate_limit_degraded"  # gauge: 1 while limits skip Redis
 CONCURRENCY_REFUSED: Final = "tailguard_concurrency_refused"  # counter: cap (gateway | key)
 REQUESTS_IN_FLIGHT: Final = "tailguard_requests_in_flight"  # gauge: LLM requests admitted
 OVERHEAD: Final = "tailguard_overhead_seconds"  # histogram: model
+STAGE_DURATION: Final = "tailguard_stage_duration_seconds"  # histogram: model, stage
+# The stages of a request, as in its `server-timing` header (`decode`: first to last token).
+STAGES: Final = ("overhead", "queue", "connect", "ttft", "decode", "total")
+# From the gateway's own sub-millisecond stages to a long generation, 1-2-5 then doubling; a
+# bucket of its own for zero (no wait in the queue), so that a quantile of zeros reads zero.
+STAGE_BUCKETS: Final = (
+    0.0, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
+    1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
 BATCH_SIZE: Final = "tailguard_batch_size"  # histogram: deployment, endpoint (inputs)
 BATCH_WAIT: Final = "tailguard_batch_wait_seconds"  # histogram: deployment, endpoint
 BATCH_QUEUE: Final = "tailguard_batch_queue_depth"  # gauge: deployment (inputs waiting)
@@ -99,3 +114,7 @@ BULK_WAITING: Final = "tailguard_bulk_waiting"  # gauge: deployment
 BULK_REJECTED: Final = "tailguard_bulk_rejected"  # counter
 BATCH_SIZE_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 SPANS_DROPPED: Final = "tailguard_trace_spans_dropped"  # counter: the export queue was full
+SLO_REQUESTS: Final = "tailguard_slo_requests"  # counter: model, deployment, slo, result
+WASTED_ATTEMPTS: Final = "tailguard_wasted_attempts"  # counter: model, deployment
+WASTED_PROMPT_TOKENS: Final = "tailguard_wasted_prompt_tokens"  # counter: model, deployment
+EXTRA_LOAD: Final = "tailguard_extra_load_ratio"  # gauge: model (rescues / client requests)

@@ -218,12 +218,13 @@ NO_DATA = MetricStats(None, None, None, None, 0, False)
 
 
 def snapshot(taken_at: float, *, requests: int = 100, hedges: int = 0) -> Snapshot:
-    model = TargetStats(NO_DATA, NO_DATA, NO_DATA, requests, 0, 0, hedges=hedges)
+    """A window whose model `m` had `requests` client requests and `hedges` rescues."""
+    model = TargetStats(NO_DATA, NO_DATA, NO_DATA, 0, 0, 0, hedges=hedges, clients=requests)
     return Snapshot(window_s=60.0, taken_at=taken_at, source="memory", models={"m": model})
 
 
 def test_hedges_are_capped_at_a_fraction_of_the_window() -> None:
-    """100 attempts in the window and a 5% cap: five hedges, then denied."""
+    """100 client requests in the window and a 5% cap: five rescues, then denied."""
     hedges = HedgeBudget()
     window = snapshot(1.0)
     assert [hedges.acquire("m", 0.05, window) for _ in range(6)] == [True] * 5 + [False]
@@ -231,7 +232,7 @@ def test_hedges_are_capped_at_a_fraction_of_the_window() -> None:
 
 
 def test_hedges_already_in_the_window_count() -> None:
-    """Five hedges recorded in the window use up a 5% cap over 100 attempts."""
+    """Five rescues recorded in the window use up a 5% cap over 100 client requests."""
     hedges = HedgeBudget()
     assert not hedges.acquire("m", 0.05, snapshot(1.0, hedges=5))
     assert hedges.denied == 1

@@ -155,7 +155,8 @@ async def test_failed_attempts_are_errors_not_latencies(
     bad = body["deployments"]["up/m@error_500_rate=1"]
     assert (bad["requests"], bad["errors"], bad["inflight"]) == (n, n, 0)
     for key in METRIC_KEYS:
-        assert bad[key] == {"p50": None, "p90": None, "p95": None, "p99": None, "count": 0}, key
+        empty = {"p50": None, "p90": None, "p95": None, "p99": None, "count": 0}
+        assert bad[key] == {**empty, "censored": 0, "beyond_ms": None}, key
     assert bad["trusted"] is False
     assert (body["models"]["m"]["errors"], body["models"]["m"]["ttft_ms"]["count"]) == (n, 0)
     for good in (body["deployments"]["up/ok"], body["models"]["backup"]):
@@ -172,8 +173,8 @@ def attempt_ms(resp: httpx.Response, index: int = 1) -> float:
 async def test_a_stall_cut_by_the_ttft_budget_looks_slow(
     upstream: Upstream, client: httpx.AsyncClient
 ) -> None:
-    """A stalled primary cut at its TTFT deadline is an error whose time to the cut-off counts as
-    a (censored) TTFT sample, so its TTFT p99 is at least the cut-off instead of empty or fast."""
+    """A stalled primary cut at its TTFT deadline is an error whose TTFT is known only to exceed
+    the cut-off (a censored sample): its TTFT tail is beyond every cut, never at or under it."""
     n = 3
     settings = gateway_settings(
         {"up": {"type": "vllm", "base_url": upstream.base_url}},
@@ -182,10 +183,12 @@ async def test_a_stall_cut_by_the_ttft_budget_looks_slow(
                 "name": "m",
                 "deployments": [
                     {"provider": "up", "model": "slow@stall_rate=1", "weight": 1e9},
-                    {"provider": "up", "model": "ok", "weight": 1e-9},
+                    # A measured successor (its prior) is failed over to, not explored by a hedge.
+                    {"provider": "up", "model": "ok", "weight": 1e-9, "prior": {"ttft_ms": 50}},
                 ],
                 "budget": {"ttft_ms": 300},
                 "on_ttft_miss": "failover",
+                "hedge_max_fraction": 1.0,  # rescue every request
             }
         ],
     )
@@ -199,11 +202,12 @@ async def test_a_stall_cut_by_the_ttft_budget_looks_slow(
     slow = body["deployments"]["up/slow@stall_rate=1"]
     assert (slow["requests"], slow["errors"], slow["inflight"]) == (n, n, 0)
     assert slow["total_ms"]["count"] == 0  # a cut attempt has no total time
-    assert slow["ttft_ms"]["p99"] >= cut_off_ms * 0.97  # the sketch is good to ~2%
-    assert slow["ttft_ms"]["p50"] > body["deployments"]["up/ok"]["ttft_ms"]["p50"]
+    assert (slow["ttft_ms"]["count"], slow["ttft_ms"]["censored"]) == (n, n)
+    assert slow["ttft_ms"]["p50"] is None  # every observation is "more than the cut-off"
+    assert slow["ttft_ms"]["beyond_ms"] >= cut_off_ms * 0.97  # the sketch is good to ~2%
     model = body["models"]["m"]
     assert (model["requests"], model["errors"], model["ttft_ms"]["count"]) == (2 * n, n, 2 * n)
-    assert model["ttft_ms"]["p99"] >= cut_off_ms * 0.97
+    assert model["ttft_ms"]["p99"] is None  # the slower half was all cut: its tail is unknown
 
 
 # --- tailguard stats -----------------------------------------------------------------------------
@@ -481,3 +485,49 @@ async def test_keys_written_after_redis_returns_still_expire(
     assert ttls
     assert all(ttl > 0 for ttl in ttls.values()), ttls
     assert "up/tiny" in listed
+
+
+async def test_a_stream_cut_by_the_total_budget_teaches_the_router(
+    upstream: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A slow decoder whose streams all run past the total budget is still measured: each cut
+    stream keeps its TTFT and the pace of its tokens (its total is censored, and the cut is no
+    error), so once that is trusted the plan sees it cannot finish in time and the requests go
+    to the fast fallback, which meets the budget. (Before, a cut stream taught nothing: every
+    request was cut, for as long as the gateway ran.)"""
+    settings = gateway_settings(
+        {"up": {"type": "openai", "base_url": upstream.base_url}},
+        [
+            {
+                "name": "capable",
+                "deployments": [
+                    {"provider": "up", "model": "slow@tokens_per_s=25,output_tokens=400"}
+                ],
+                "budget": {"total_ms": 1000},
+                "fallbacks": ["fast"],
+            },
+            {
+                "name": "fast",
+                "deployments": [
+                    {"provider": "up", "model": "fast@tokens_per_s=400,output_tokens=400"}
+                ],
+            },
+        ],
+        latency={"min_samples": 3},
+    )
+    body = {**chat("capable"), "max_tokens": 40}  # 40 tokens: 1.6 s on the slow decoder
+    served: list[str] = []
+    async with run_gateway(settings) as gw, asyncio.timeout(30):
+        while not served or served[-1] != "up/fast@tokens_per_s=400,output_tokens=400":
+            async with client.stream("POST", gw.url + "/v1/chat/completions", json=body) as resp:
+                text = (await resp.aread()).decode()
+            assert resp.status_code == 200, text
+            served.append(resp.headers["x-tailguard-deployment"])
+        latency = (await client.get(gw.url + "/admin/latency")).json()
+    assert text.rstrip().endswith("data: [DONE]"), served  # the fallback met the budget
+    slow = latency["deployments"]["up/slow@tokens_per_s=25,output_tokens=400"]
+    assert slow["tpot_ms"]["count"] >= 3 and slow["ttft_ms"]["count"] >= 3, (served, slow)
+    assert slow["tpot_ms"]["p50"] == pytest.approx(40, rel=0.25)
+    assert slow["total_ms"]["censored"] >= 3
+    assert slow["errors"] == 0  # cut by the gateway's own budget: slow, not broken
+    assert len(served) <= 8  # min_samples cut streams, a snapshot refresh, then the fallback

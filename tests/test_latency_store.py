@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -89,20 +90,25 @@ def test_errors_are_counted_not_timed() -> None:
 
 
 def test_a_ttft_deadline_miss_is_a_censored_ttft_sample() -> None:
-    """A deadline miss is an error that adds its time-to-deadline to TTFT: a stall looks slow."""
+    """A deadline miss is an error whose TTFT is known only to exceed its time-to-deadline: it
+    raises the tail above the cut instead of capping it there (a stall looks slow, never fast)."""
     store = MemoryLatencyStore(min_samples=1, clock=Clock())
     store.record(ok(ttft_ms=100))
     store.record(failed(error=TTFT_DEADLINE))  # total_s=0.05 is the deadline
     store.record(Sample("d1", "m", ok=False, total_s=2.0, error=TTFT_DEADLINE))
     d1 = stats(store)
     assert (d1.requests, d1.errors, d1.ttft.count, d1.total.count) == (3, 2, 3, 1)
-    assert d1.ttft.p99 == pytest.approx(2000, rel=0.02)
+    assert d1.ttft.censored == 2
+    # The cut at 50 ms left two at risk; one ended at 100 ms; the other is "more than 2 s".
+    assert d1.ttft.p50 == pytest.approx(100, rel=0.02)
+    assert d1.ttft.p99 == math.inf
+    assert d1.ttft.beyond == pytest.approx(2000, rel=0.02)
 
 
 def test_hedges_count_for_the_requested_model_and_losing_is_no_error() -> None:
     """A hedge counts against the model the client asked for (whose cap it spends), a lost race
-    is a censored TTFT sample but no error, a cancelled attempt is neither, and successful
-    attempts give the mean output length."""
+    and a cancelled attempt are censored TTFT samples but no errors, and successful attempts
+    give the mean output length."""
     store = MemoryLatencyStore(min_samples=1, clock=Clock())
     store.record(Sample("d1", "chat", ok=False, total_s=0.4, error=HEDGE_LOST))
     store.record(
@@ -114,10 +120,12 @@ def test_hedges_count_for_the_requested_model_and_losing_is_no_error() -> None:
     chat, backup, d1 = snapshot.models["chat"], snapshot.models["backup"], stats(store)
     assert (chat.requests, chat.hedges, chat.errors) == (1, 2, 0)
     assert (backup.requests, backup.hedges, backup.errors) == (3, 0, 0)
-    assert d1.ttft.count == 1
-    assert d1.ttft.p99 == pytest.approx(400, rel=0.02)
+    assert (d1.ttft.count, d1.ttft.censored) == (1, 1)
+    assert d1.ttft.p99 == math.inf  # its one observation: "more than 400 ms"
     assert backup.output_tokens == 20
-    assert snapshot.deployments["d2"].ttft.count == 2
+    d2 = snapshot.deployments["d2"]
+    assert (d2.ttft.count, d2.ttft.censored) == (3, 1)
+    assert d2.ttft.p99 == pytest.approx(300, rel=0.02)  # cut at 100 ms, before the others ended
 
 
 def test_trust_needs_min_samples() -> None:
@@ -267,6 +275,7 @@ async def test_a_replica_sees_what_another_flushed(redis_server: RedisServer) ->
         assert (shared.source, b.state, a.state) == ("redis", "ok", "ok")
         assert shared.deployments["d1"].requests == 202
         assert shared.deployments["d2"].ttft.count == 201
+        assert shared.deployments["d2"].ttft.censored == 1  # the deadline miss, still censored
         assert shared.models["chat"].errors == 2
         assert (shared.models["chat"].hedges, shared.models["alt"].output_tokens) == (1, 9)
         same_numbers(shared, a.local_snapshot())

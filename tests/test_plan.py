@@ -4,28 +4,37 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
-from gateway.config import DeploymentSpec, ModelSpec, PriorSpec, build_settings
+from gateway.config import DeploymentSpec, ModelSpec, PriorSpec, ProviderSpec, build_settings
 from gateway.errors import CoolingDownError, InvalidRequestError
-from gateway.latency import MetricStats, Snapshot, TargetStats
+from gateway.latency import BandStats, MetricStats, Snapshot, TargetStats
 from gateway.models import Call, Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import UpstreamStream
+from gateway.prompt_size import band_of
+from gateway.providers.base import StreamLimits, UpstreamStream
 from gateway.routing.plan import (
     Budget,
     Candidate,
     candidates,
     deadline,
+    explore_point,
     fallback_chain,
     fits,
     hedge_point,
+    lands_first,
     plan,
+    rescue_point,
+    ttft_for_size,
     weighted_order,
+    with_exploration,
 )
 
 MIN_SAMPLES = 20
+
+
+DEFAULT_LIMITS = StreamLimits.of(ProviderSpec(type="simulated"))
 
 
 @dataclass
@@ -38,6 +47,7 @@ class StubProvider:
     address: str | None = None
     secrets: tuple[str, ...] = ()
     bulk_priority: int | None = None
+    limits: StreamLimits = DEFAULT_LIMITS
     endpoints: frozenset[Endpoint] = field(default_factory=lambda: frozenset({"chat"}))
 
     def supports(self, endpoint: Endpoint) -> bool:
@@ -163,10 +173,14 @@ def test_the_rescued_quantile_must_meet_the_deadline_not_the_budget() -> None:
 
 
 def test_a_successor_that_cannot_land_in_time_rescues_nothing() -> None:
-    """A successor too slow to land inside the budget leaves the attempt all of it, and a
-    primary that needs rescuing then does not fit."""
+    """A successor too slow to land inside the budget is never started for a slow attempt
+    (cutting or joining it would only restart the wait), and a primary that needs rescuing then
+    does not fit."""
     successor = cand("b", metric(950.0))  # padded to 1.045 s: more than the whole budget
-    assert deadline(1.0, successor) == 1.0
+    assert deadline(1.0, successor) is None
+    primary = cand("a", metric(8000.0, p95=5000.0, p90=450.0))
+    assert rescue_point(1.0, primary, successor, hedge=False) is None
+    assert rescue_point(1.0, primary, successor, hedge=True) is None
     budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10)
     assert (
         fits(cand("a", metric(8000.0, p95=5000.0, p90=450.0)), successor, budget, call()) is False
@@ -305,24 +319,47 @@ def test_all_cooling_raises_with_the_soonest_retry_after() -> None:
 
 
 def test_deadline_arithmetic() -> None:
-    """Remaining - 1.1 * successor p99; all of it alone or when the successor cannot land in
-    time; half for an unknown one."""
-    assert deadline(2.0, None) == 2.0
-    assert deadline(2.0, cand("b")) == pytest.approx(1.0)
+    """A failover deadline is what remains less 1.1 x the successor's p99; there is none alone,
+    when the successor cannot land in time, or when it is unknown (explored by a hedge at half
+    of what remains instead of being trusted with it)."""
+    assert deadline(2.0, None) is None
+    assert deadline(2.0, cand("b")) is None
+    assert explore_point(2.0, cand("b")) == pytest.approx(1.0)
+    assert explore_point(2.0, cand("b", FAST)) is None  # a measured successor needs no exploring
     assert deadline(2.0, cand("b", metric(500.0))) == pytest.approx(2.0 - 0.55)
     assert deadline(2.0, cand("b", metric(1500.0))) == pytest.approx(2.0 - 1.65)
-    assert deadline(2.0, cand("b", metric(1900.0))) == pytest.approx(2.0)
+    assert deadline(2.0, cand("b", metric(1900.0))) is None
     assert deadline(2.0, cand("b", prior=PriorSpec(ttft_ms=500.0))) == pytest.approx(1.45)
 
 
-def test_hedge_point_without_a_successor_is_the_whole_budget() -> None:
-    """No successor: the hedge point is the deadline, i.e. all that remains."""
-    assert hedge_point(2.0, cand("a", metric(1900.0, p95=400.0)), None) == 2.0
+def test_hedge_point_without_a_successor_is_none() -> None:
+    """No successor: nothing to hedge with, the attempt runs."""
+    assert hedge_point(2.0, cand("a", metric(1900.0, p95=400.0)), None) is None
 
 
-def test_hedge_point_with_an_unknown_successor_is_half() -> None:
-    """An unknown successor gets half of what remains."""
+def test_hedge_point_with_an_unknown_successor_explores_at_half() -> None:
+    """An unknown successor is explored once half of what remains is gone."""
     assert hedge_point(2.0, cand("a", metric(1900.0, p95=400.0)), cand("b")) == pytest.approx(1.0)
+
+
+def test_a_hedge_is_timed_by_the_successors_typical_ttft() -> None:
+    """A hedge wins on the successor's typical first token, so it starts once what remains is
+    1.1 x its p90, although its p99 (a heavy tail) would leave no room for a failover at all."""
+    tailed = cand("b", metric(900.0, p95=300.0, p90=200.0))
+    assert deadline(1.0, tailed) == pytest.approx(1.0 - 0.99)
+    assert hedge_point(1.0, cand("a", metric(500.0)), tailed) == pytest.approx(1.0 - 0.22)
+
+
+def test_an_attempt_that_is_long_not_late_is_never_cut() -> None:
+    """At its deadline an attempt whose typical TTFT for this prompt is still ahead, and comes
+    before a successor started then could answer, is left to run: cutting it would make the
+    request later, not sooner."""
+    long_prompt = cand("a", metric(700.0, p90=600.0))  # p50 300 ms
+    successor = cand("b", metric(400.0))  # p50 200 ms; deadline 1.0 - 0.44 = 0.56 s
+    assert lands_first(long_prompt, 0.2, successor)
+    assert rescue_point(0.64, long_prompt, successor, hedge=False) is None
+    late = cand("a", metric(700.0, p90=100.0))  # p50 50 ms: at 0.56 s it is late, not long
+    assert rescue_point(1.0, late, successor, hedge=False) == pytest.approx(0.56)
 
 
 def test_hedge_point_is_the_p95_when_the_budget_is_tight() -> None:
@@ -400,3 +437,84 @@ def test_candidates_skip_what_cannot_serve_the_call() -> None:
     complete = Call("completions", "m", {}, b"{}", False)
     with pytest.raises(InvalidRequestError, match="completions"):
         candidates([first], {"chat": chat, "emb": emb}, complete, random.Random(1))
+
+
+# --- prompt size, recovery, exploration ----------------------------------------------------------
+
+SHORT, LONG = 500, 64_000  # request body bytes: ~125 and ~16k prompt tokens
+
+
+def sized(*bands: tuple[int, float, float]) -> TargetStats:
+    """Deployment statistics whose TTFT is known per prompt band: (band, mean bytes, p99 ms);
+    the deployment-wide TTFT mixes them (its p99 is the slowest band's)."""
+    worst = max(p99 for _, _, p99 in bands)
+    return replace(
+        stats(metric(worst)),
+        bands={b: BandStats(metric(p99), mean) for b, mean, p99 in bands},
+    )
+
+
+def test_a_short_prompt_is_judged_by_short_prompts() -> None:
+    """A primary that serves short prompts at 127 ms and long ones at 880 ms fits a 600 ms budget
+    for a short prompt (the long samples no longer make its p99 look like 880 ms to everyone)
+    and does not fit it for a long one."""
+    primary = sized((band_of(SHORT), SHORT, 127.0), (band_of(LONG), LONG, 880.0))
+    budget = Budget(ttft_s=0.6, on_ttft_miss="none")
+    short = Candidate(
+        "m", DeploymentSpec(provider="p", model="a"), StubProvider(), primary, prompt_bytes=SHORT
+    )
+    long_ = replace(short, prompt_bytes=LONG)
+    assert short.ttft_p99_s == pytest.approx(0.127)
+    assert fits(short, None, budget, call()) is True
+    assert fits(long_, None, budget, call()) is False
+
+
+def test_an_unseen_size_is_read_off_the_line_through_the_seen_ones() -> None:
+    """Between (or beyond) trusted bands the quantile follows base + slope x size: prefill grows
+    linearly with the prompt; a size no band has seen and no line can reach is left unknown."""
+    two = sized((0, 1_000.0, 100.0), (5, 41_000.0, 500.0))  # 10 ms per KB
+    assert ttft_for_size(two, 21_000, "p99") == pytest.approx(300.0)
+    assert ttft_for_size(two, 81_000, "p99") == pytest.approx(900.0)
+    one = sized((5, 41_000.0, 500.0))
+    assert ttft_for_size(one, 1_000, "p99") == pytest.approx(500.0)  # an upper bound
+    assert ttft_for_size(one, 200_000, "p99") is None
+
+
+def test_a_tail_beyond_every_cut_does_not_fit() -> None:
+    """A p99 known only to exceed the cuts (math.inf) fits no budget, and so does any longer
+    prompt on that deployment."""
+    cut = sized((0, 1_000.0, math.inf))
+    assert ttft_for_size(cut, 50_000, "p99") == math.inf
+    budget = Budget(ttft_s=0.6, on_ttft_miss="none")
+    found = Candidate(
+        "m", DeploymentSpec(provider="p", model="a"), StubProvider(), cut, prompt_bytes=900
+    )
+    assert fits(found, None, budget, call()) is False
+
+
+def test_a_deployment_that_recovered_leads_again_on_its_recent_samples() -> None:
+    """Routed away for a slow spell its full window still holds, a deployment whose last few
+    seconds fit again (enough samples there) leads again at once."""
+    slow_window, fast_now = stats(metric(3000.0)), stats(metric(200.0))
+    primary = replace(cand("a", metric(3000.0)), recent=fast_now)
+    assert primary.stats == slow_window
+    chosen = plan([primary, cand("b", FAST)], call(), STRICT)
+    assert ids(chosen.candidates) == ["a", "b"]
+    assert chosen.route == "primary"
+    few = stats(metric(200.0, count=3))  # too few recent samples to judge by
+    chosen = plan([replace(primary, recent=few), cand("b", FAST)], call(), STRICT)
+    assert ids(chosen.candidates) == ["b", "a"]
+
+
+def test_a_routed_away_deployment_is_explored_when_due() -> None:
+    """When the preferred deployment leads no more, a plan that explores it (first, with the
+    lead beside it) comes out when the explorer says it is due, and only then; a deployment
+    whose load the server reports is never explored (its prediction already follows it)."""
+    found = [cand("a", SLOW), cand("b", FAST)]
+    chosen = plan(found, call(), STRICT)
+    assert (ids(chosen.candidates), chosen.route) == (["b", "a"], "budget")
+    explored = with_exploration(chosen, found, lambda deployment: deployment == "p/a")
+    assert (ids(explored.candidates), explored.explore) == (["a", "b"], True)
+    assert with_exploration(chosen, found, lambda _: False) is chosen
+    loaded = [replace(found[0], predicted_ttft_s=3.0), found[1]]
+    assert with_exploration(plan(loaded, call(), STRICT), loaded, lambda _: True).explore is False

@@ -7,6 +7,8 @@ import random
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.sketch import Sketch, latency_report, nearest_rank
 
@@ -147,3 +149,61 @@ def test_latency_report_of_nothing_is_nan() -> None:
     report = latency_report([])
     assert report["count"] == 0.0
     assert all(math.isnan(v) for k, v in report.items() if k != "count")
+
+
+# --- censored observations -----------------------------------------------------------------------
+
+_TIMES = st.floats(min_value=1.5, max_value=60_000.0, allow_nan=False)
+
+
+@given(
+    exact=st.lists(_TIMES, min_size=1, max_size=60),
+    cuts=st.lists(_TIMES, min_size=1, max_size=40),
+    q=st.sampled_from([0.5, 0.9, 0.95, 0.99]),
+)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+def test_a_cut_observation_never_lowers_a_quantile(
+    exact: list[float], cuts: list[float], q: float
+) -> None:
+    """Counting "more than t" as censored gives quantiles at least as high as counting it as a
+    value of t (what a cut attempt used to record): a rescued tail can only look slower."""
+    censored, as_values = Sketch(), Sketch()
+    for value in exact:
+        censored.add(value)
+        as_values.add(value)
+    for cut in cuts:
+        censored.add_censored(cut)
+        as_values.add(cut)
+    assert censored.quantile(q) >= as_values.quantile(q)
+
+
+def test_the_estimate_redistributes_cut_observations_to_slower_ones() -> None:
+    """Kaplan-Meier: a cut observation's weight moves to the exact ones slower than its cut; a
+    quantile beyond every exact value (the slow ones were all cut) is infinite, not the cut."""
+    sketch = Sketch()
+    sketch.add(100.0, 90)
+    sketch.add_censored(600.0, 5)
+    sketch.add(2_000.0, 5)
+    p90, p95, p99 = sketch.quantiles((0.90, 0.95, 0.99))
+    assert p90 == pytest.approx(100, rel=0.02)
+    assert p95 == pytest.approx(2_000, rel=0.02)  # the 5 cut at 600 ms count as slower ones
+    assert p99 == pytest.approx(2_000, rel=0.02)
+    rescued = Sketch()
+    rescued.add(100.0, 92)
+    rescued.add_censored(600.0, 8)  # every slow request cut at its deadline
+    assert rescued.quantile(0.9) == pytest.approx(100, rel=0.02)
+    assert rescued.quantile(0.99) == math.inf
+    assert rescued.largest_cut() == pytest.approx(600, rel=0.02)
+    assert (rescued.count, rescued.exact_count, rescued.censored_count) == (100, 92, 8)
+
+
+def test_censored_counts_merge_and_round_trip() -> None:
+    """Merging adds censored counts too, and `from_buckets` rebuilds both kinds."""
+    a, b = Sketch(), Sketch()
+    a.add(100.0, 3)
+    a.add_censored(500.0, 2)
+    b.add_censored(500.0, 1)
+    a.merge(b)
+    assert a.censored_count == 3
+    rebuilt = Sketch.from_buckets(a.buckets, censored=a.censored_buckets)
+    assert rebuilt.quantiles((0.5, 0.99)) == a.quantiles((0.5, 0.99))

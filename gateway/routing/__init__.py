@@ -26,6 +26,7 @@ from gateway.routing.plan import (
     hedge_point,
     plan,
     weighted_order,
+    with_exploration,
 )
 from gateway.routing.predict import TTFTPredictor, prompt_band
 
@@ -54,4 +55,5 @@ __all__ = [
     "plan",
     "prompt_band",
     "weighted_order",
+    "with_exploration",
 ]

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,16 +25,18 @@ from gateway.errors import (
     GatewayError,
     InvalidRequestError,
     ProviderError,
+    ProviderTimeoutError,
 )
 from gateway.latency import CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Recorder, Sample, Snapshot
 from gateway.models import Call, Chunk, Usage
 from gateway.providers.base import UpstreamStream, inband_error
 from gateway.providers.request import Prepared, prepare
 from gateway.routing.guards import PROBE, PROBE_WAIT_S, Guards
-from gateway.routing.plan import Candidate, Plan, Route, deadline, hedge_point
+from gateway.routing.plan import Candidate, Plan, Route, deadline, rescue_point
 from gateway.semconv import OPERATIONS
 
 log = logging.getLogger("tailguard")
+MAX_FINISH_REASONS = 16  # kept per stream (an upstream may repeat one on every event)
 
 
 class AttemptTracer(Protocol):
@@ -94,8 +96,8 @@ class Tally:
                 self.usage.input_tokens = chunk.usage.input_tokens
             if chunk.usage.output_tokens is not None:
                 self.usage.output_tokens = chunk.usage.output_tokens
-        if chunk.finish_reason is not None:
-            self.finish_reasons.append(chunk.finish_reason)
+        if chunk.finish_reason is not None and len(self.finish_reasons) < MAX_FINISH_REASONS:
+            self.finish_reasons.append(chunk.finish_reason)  # one per choice; bounded whatever
 
     @property
     def output_tokens(self) -> int:
@@ -118,7 +120,7 @@ class Opened:
     connected: float = 0.0  # when its response headers arrived
     route: Route = "primary"
     attempt: Attempt | None = None  # the winning attempt
-    hedge_for: str | None = None  # the winner is a hedge: its sample and cap belong to this model
+    hedge_for: str | None = None  # the winner is a rescue: its sample and cap belong to this model
     claims: Claims | None = None  # what the winning attempt holds, given back by `close`
 
     async def close(self) -> None:
@@ -178,9 +180,9 @@ async def open_first(
 @dataclass(slots=True, eq=False)
 class Claims:
     """What one attempt holds: its place in the in-flight count, the breaker's half-open probe
-    when it is the probe, and a hedge slot when it is a hedge. `release` gives all of it back,
-    once, whatever way the attempt ended; its owner calls it (the race for every attempt that
-    does not win, the committed response for the one that does)."""
+    when it is the probe, and a rescue slot when it is a hedge or a deadline failover. `release`
+    gives all of it back, once, whatever way the attempt ended; its owner calls it (the race for
+    every attempt that does not win, the committed response for the one that does)."""
 
     deployment: str
     model: str
@@ -188,7 +190,7 @@ class Claims:
     inflight: InflightTracker | None = None
     probe: bool = False  # holds the half-open probe and has not yet told the breaker how it went
     counted: bool = False  # counted in flight
-    hedge_for: str | None = None  # holds a hedge slot of this model
+    rescue_for: str | None = None  # a hedge or deadline failover: holds a rescue slot of this model
     released: bool = False
 
     def verdict(self) -> None:
@@ -203,8 +205,8 @@ class Claims:
             if self.counted and self.inflight is not None:
                 self.inflight.finished(self.deployment, self.model)
         finally:
-            if self.hedge_for is not None:
-                self.guards.hedges.release(self.hedge_for)
+            if self.rescue_for is not None:
+                self.guards.hedges.release(self.rescue_for)
             if self.probe:
                 self.guards.cooldowns.abandoned(self.deployment)
 
@@ -216,6 +218,7 @@ class _Live:
     why: Route  # how this attempt came to be tried
     claims: Claims
     closed: bool = False  # its outcome is recorded and its claims given back
+    explore: bool = False  # explores a routed-away deployment: if it loses, it is still timed
 
 
 _reaping: set[asyncio.Task[None]] = set()  # cleanups that outlive a cancelled request
@@ -255,7 +258,8 @@ class _Race:
         self.refused: ProviderError | None = None  # a non-retryable error while others ran
         self.cooling_skipped = False
         self.retries = 0  # retry-budget tokens held
-        self.hedged = False
+        self.hedged = False  # a rescue was started (at most one per request)
+        self.explore = False  # the armed rescue explores an unmeasured successor, as a hedge
         self.timer_at: float | None = None  # perf_counter time to rescue `timed`
         self.timed: _Live | None = None
         self.winner: _Live | None = None
@@ -267,7 +271,11 @@ class _Race:
     async def run(self) -> Opened:
         if self.ttft_end is None:
             return await self._run_in_order()
-        if self._launch(self.plan.route) is None:
+        if self.plan.explore and not self._explore():
+            # No room under the cap for the attempt beside it: the chosen lead goes first.
+            explored, lead = self.queue.popleft(), self.queue.popleft()
+            self.queue.extendleft((explored, lead))
+        if not self.live and self._launch(self.plan.route) is None:
             raise self._nothing_left()
         while True:
             timeout = None
@@ -280,21 +288,47 @@ class _Race:
                 self._rescue()
                 continue
             won: list[asyncio.Task[Opened]] = []
+            failed = ""
             for task in sorted(done, key=lambda t: self.live[t].attempt.started):
                 error = task.exception()
                 if error is None:
                     won.append(task)
                 else:
-                    self._failed(self.live.pop(task), error)
+                    live = self.live.pop(task)
+                    failed = live.candidate.id
+                    self._failed(live, error)
             if won:
                 return self._won(self.live.pop(won[0]), won[0].result())
-            if not self.live and not self._failover():
+            if not self.live and not self._failover(failed):
                 raise self._nothing_left()
+
+    def _explore(self) -> bool:
+        """Start the explored candidate and, beside it at once, the one that would have served
+        (a rescue under the cap); False when the cap has no room, and nothing was started."""
+        policy = self.policy
+        if not policy.may_hedge or len(self.queue) < 2:
+            return False
+        if not self.guards.hedges.acquire(policy.model, policy.hedge_fraction, self.snapshot):
+            return False
+        self.hedged = True  # before the launches: neither gets a rescue timer
+        beside = None
+        try:
+            first = self._launch(self.plan.route)
+            if first is not None and first.candidate is self.plan.candidates[0]:
+                first.explore = True
+            beside = self._launch("hedge", rescue_for=policy.model)
+        finally:
+            if beside is None:
+                self.guards.hedges.refund(policy.model)
+        return True
 
     async def _run_in_order(self) -> Opened:
         """Without a first-token deadline nothing races: the attempts run one after another,
         inline, which spares the common path a task per request."""
         why = self.plan.route
+        if self.plan.explore:  # nothing to start beside it inline: no exploring here
+            explored, lead = self.queue.popleft(), self.queue.popleft()
+            self.queue.extendleft((explored, lead))
         while True:
             found = self._next(why)
             if found is None:
@@ -304,18 +338,26 @@ class _Race:
                 opened = await _attempt(live.candidate, prepared)
             except Exception as error:
                 self._failed(live, error)
-                if not self.queue or not self.guards.retries.acquire():
+                if not self.queue or not self._retry_token(live.candidate.id):
                     raise self._nothing_left() from None
-                self.retries += 1
                 why = "error_fallback"
                 continue
             return self._won(live, opened)
 
+    def _retry_token(self, failed: str) -> bool:
+        """A retry-budget token for a failover after `failed` erred (given back in `settle`)."""
+        first = self.retries == 0
+        away = first and self.guards.cooldowns.is_open(failed)
+        if not self.guards.retries.acquire(away_from_open_breaker=away):
+            return False
+        self.retries += 1
+        return True
+
     # -- starting attempts --
 
-    def _launch(self, why: Route, *, hedge_for: str | None = None) -> _Live | None:
+    def _launch(self, why: Route, *, rescue_for: str | None = None) -> _Live | None:
         """Start the next candidate that can be tried, as a task; None if none is left."""
-        found = self._next(why, hedge_for=hedge_for)
+        found = self._next(why, rescue_for=rescue_for)
         if found is None:
             return None
         live, prepared = found
@@ -324,7 +366,7 @@ class _Race:
         self._arm(live, live.attempt.started)
         return live
 
-    def _next(self, why: Route, *, hedge_for: str | None = None) -> tuple[_Live, Prepared] | None:
+    def _next(self, why: Route, *, rescue_for: str | None = None) -> tuple[_Live, Prepared] | None:
         """The next candidate that can be tried, counted as started; None if none is left.
 
         Its claims are registered before anything that can fail, so `settle` finds them."""
@@ -369,12 +411,12 @@ class _Race:
             if self.inflight is not None:
                 self.inflight.started(candidate.id, candidate.model)
                 claims.counted = True
-            claims.hedge_for = hedge_for
+            claims.rescue_for = rescue_for
             return live, prepared
         return None
 
     def _arm(self, live: _Live, now: float) -> None:
-        """Set when `live` is rescued if it has no first token yet (at most one hedge)."""
+        """Set when `live` is rescued if it has no first token yet (at most one rescue)."""
         self.timer_at = self.timed = None
         if self.ttft_end is None or not self.queue or self.hedged or not self.plan.ttft_rescue:
             return
@@ -382,52 +424,53 @@ class _Race:
         if remaining <= 0:
             return  # the budget is spent: rescuing now would only cascade through the list
         successor = self.queue[0]
-        if self._hedging():
-            wait = hedge_point(remaining, live.candidate, successor)
-        else:
-            wait = deadline(remaining, successor)
+        hedging = self._hedging()
+        wait = rescue_point(remaining, live.candidate, successor, hedge=hedging)
+        if wait is None:
+            return  # let it run: no rescue could land sooner
+        # A failover to a successor nobody has measured is explored as a hedge instead: the
+        # attempt keeps running, so trying the unknown costs the client nothing.
+        self.explore = not hedging and deadline(remaining, successor) is None
+        if self.explore and not self.policy.may_hedge:
+            return  # a client's own retry is not multiplied
         self.timer_at, self.timed = now + wait, live
 
     def _hedging(self) -> bool:
         return self.policy.on_ttft_miss == "hedge" and self.policy.may_hedge
 
     def _rescue(self) -> None:
-        """The timed attempt missed its deadline: hedge it, or fail over from it."""
+        """The timed attempt missed its rescue point: hedge it, or fail over from it. Both are
+        latency rescues under one cap; over it, the attempt is left to run."""
         slow = self.timed
         self.timer_at = self.timed = None
         if slow is None or slow not in self.live.values():
             return
         policy = self.policy
-        if self._hedging() and self.guards.hedges.acquire(
-            policy.model, policy.hedge_fraction, self.snapshot
-        ):
-            self.hedged = True  # before the launch: a hedge gets no timer of its own
-            hedge = None
-            try:
-                hedge = self._launch("hedge", hedge_for=policy.model)
-            finally:
-                if hedge is None:  # none could start (or starting one failed): not a hedge
-                    self.hedged = False
-                    self.guards.hedges.refund(policy.model)
+        if not self.guards.hedges.acquire(policy.model, policy.hedge_fraction, self.snapshot):
+            return  # over the cap: this slow request is not rescued
+        self.hedged = True  # before the launch: a rescue gets no timer of its own
+        hedge = self._hedging() or self.explore
+        rescue = None
+        try:
+            rescue = self._launch("hedge" if hedge else "ttft_failover", rescue_for=policy.model)
+        finally:
+            if rescue is None:  # none could start (or starting one failed): no rescue
+                self.hedged = False
+                self.guards.hedges.refund(policy.model)
+        if rescue is None or hedge:
             return
-        # Failover (or a hedge over its cap): a new attempt, within the retry budget.
-        if not self.guards.retries.acquire():
-            return  # keep waiting on the slow one
-        self.retries += 1
-        if self._launch("ttft_failover") is None:
-            return  # the token goes back with the others when the race settles
         for task, live in list(self.live.items()):
             if live is slow:
                 del self.live[task]
                 task.cancel()  # its stream is closed as the task unwinds, right away
                 self.cut.append(task)
-                self._close(live, TTFT_DEADLINE)
+                self._close(live, TTFT_DEADLINE, wasted=True)
 
-    def _failover(self) -> bool:
-        """Every attempt failed: start the next candidate, within the retry budget."""
-        if not self.queue or not self.guards.retries.acquire():
+    def _failover(self, failed: str) -> bool:
+        """Every attempt failed (the last on `failed`): start the next candidate, within the
+        retry budget."""
+        if not self.queue or not self._retry_token(failed):
             return False
-        self.retries += 1
         return self._launch("error_fallback") is not None
 
     # -- ending attempts --
@@ -442,8 +485,8 @@ class _Race:
         opened.started = live.attempt.started
         opened.route = live.why
         opened.attempt = live.attempt
+        opened.hedge_for = live.claims.rescue_for
         if live.attempt.hedge:
-            opened.hedge_for = self.policy.model
             self.guards.hedges.count(self.policy.model, "won")
         return opened
 
@@ -465,9 +508,17 @@ class _Race:
         self._close(live, f"error:{kind}", error=kind if error.retryable else None)
 
     def _close(
-        self, live: _Live, outcome: str, *, error: str | None = None, span_error: str | None = None
+        self,
+        live: _Live,
+        outcome: str,
+        *,
+        error: str | None = None,
+        span_error: str | None = None,
+        wasted: bool = False,
+        ttft_s: float | None = None,
     ) -> None:
-        """Record how an attempt that did not win ended, and give back what it held (once)."""
+        """Record how an attempt that did not win ended, and give back what it held (once).
+        `wasted`: it was started and thrown away for another attempt of the same request."""
         if live.closed:
             return
         live.closed = True
@@ -477,19 +528,32 @@ class _Race:
         try:
             live.claims.release()
         finally:
+            elapsed = attempt.ended - attempt.started
+            ttft_over = total_over = None
             if outcome in (TTFT_DEADLINE, HEDGE_LOST, CANCELLED):
+                # Cut before it answered: censored, "slower than this", never a value of this
+                # (an explored attempt timed after it lost did answer: `ttft_s`).
                 error = outcome
-            hedge_for = self.policy.model if attempt.hedge else None
+                if ttft_s is None and self.call.stream:
+                    ttft_over = elapsed
+                elif ttft_s is None:
+                    total_over = elapsed
+            hedge_for = live.claims.rescue_for
             if error is not None:
                 self.recorder.record(
                     Sample(
                         candidate.id,
                         candidate.model,
                         ok=False,
-                        total_s=attempt.ended - attempt.started,
+                        total_s=elapsed,
+                        ttft_s=ttft_s,
+                        ttft_over_s=ttft_over,
+                        total_over_s=total_over,
                         error=error,
                         hedge_for=hedge_for,
                         endpoint=self.call.endpoint,
+                        prompt_bytes=len(self.call.raw),
+                        wasted=wasted,
                     )
                 )
             if attempt.span is not None and self.trace is not None:
@@ -508,23 +572,55 @@ class _Race:
         if self.retries:
             self.guards.retries.release(self.retries)
             self.retries = 0
-        losers = list(self.live)
-        self.live.clear()
-        for task in losers:
-            task.cancel()
         winner = self.opened
+        losers = []
+        for task, live in self.live.items():
+            if winner is not None and live.explore:
+                _background(self._time_explored(task, live))  # runs to its first token
+            else:
+                task.cancel()
+                losers.append(task)
+        self.live.clear()
         for live in self.claimed:
-            if live is self.winner or live.closed:
+            if live is self.winner or live.closed or (live.explore and winner is not None):
                 continue
             beaten = winner is not None and live.attempt.started < winner.started
-            self._close(live, HEDGE_LOST if beaten else CANCELLED)
+            # With a winner, every other attempt still running was work thrown away.
+            self._close(live, HEDGE_LOST if beaten else CANCELLED, wasted=winner is not None)
         unwinding = self.cut + losers
-        if not unwinding:
+        if unwinding:
+            await asyncio.shield(_background(_reap(unwinding)))
+
+    async def _time_explored(self, task: asyncio.Task[Opened], live: _Live) -> None:
+        """An explored attempt that lost the race is still timed to its first token (then
+        closed): what it measures is the point of exploring. Bounded by the TTFT budget."""
+        limit = self.policy.ttft_s or EXPLORE_LIMIT_S
+        started = live.attempt.started
+        left = max(0.0, started + limit - time.perf_counter())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=left)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if not done:
+            self._close(live, HEDGE_LOST, wasted=True)
             return
-        reap = asyncio.create_task(_reap(unwinding))
-        _reaping.add(reap)
-        reap.add_done_callback(_reaping.discard)
-        await asyncio.shield(reap)
+        error = task.exception()
+        if error is None:
+            opened = task.result()
+            first = opened.tally.first_token_at
+            try:
+                ttft = None if first is None else first - started
+                self._close(live, HEDGE_LOST, wasted=True, ttft_s=ttft)
+            finally:
+                await opened.stream.aclose()
+        elif isinstance(error, ProviderError) and error.retryable:
+            self.guards.cooldowns.failed(live.candidate.id, error)
+            live.claims.verdict()
+            self._close(live, f"error:{error.kind or 'error'}", error=error.kind or "error")
+        else:
+            self._close(live, "error:internal")
 
     def _nothing_left(self) -> GatewayError:
         if self.refused is not None and not self.errors:
@@ -543,6 +639,25 @@ class _Race:
         return failed
 
 
+EXPLORE_LIMIT_S = 10.0
+"""How long an explored attempt that lost is timed when the request has no TTFT budget."""
+
+
+def _background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """Run cleanup that must finish even if the request that started it is cancelled."""
+    task = asyncio.create_task(work)
+    _reaping.add(task)
+    task.add_done_callback(_reaping.discard)
+    return task
+
+
+async def background_done() -> None:
+    """Wait for the cleanups still running after their requests (cancelled losers unwinding,
+    explored attempts being timed): for a graceful shutdown, and for tests."""
+    while _reaping:
+        await asyncio.gather(*list(_reaping), return_exceptions=True)
+
+
 async def _reap(tasks: list[asyncio.Task[Opened]]) -> None:
     """Wait for cancelled attempts to unwind; close the stream of any that committed anyway
     (it finished in the same instant as the winner: too late)."""
@@ -556,6 +671,27 @@ async def _reap(tasks: list[asyncio.Task[Opened]]) -> None:
 
 
 async def _attempt(candidate: Candidate, prepared: Prepared) -> Opened:
+    if not prepared.request.stream:
+        return await _open_until_first_token(candidate, prepared)
+    # A stream that makes no content progress is given up on, whatever else it sends: without
+    # a budget, a byte now and then would otherwise hold the attempt until read_timeout_ms.
+    # (A body cannot be watched for progress: it is whole or nothing.)
+    idle_s = candidate.provider.limits.idle_s
+    timer = asyncio.timeout(idle_s)
+    try:
+        async with timer:
+            return await _open_until_first_token(candidate, prepared)
+    except TimeoutError:
+        if not timer.expired():
+            raise
+        raise ProviderTimeoutError(
+            f"no content token within the stream idle timeout ({round(idle_s * 1000)} ms)",
+            deployment=candidate.id,
+            kind="stream_idle",
+        ) from None
+
+
+async def _open_until_first_token(candidate: Candidate, prepared: Prepared) -> Opened:
     stream = await candidate.provider.open(candidate.id, prepared.request)
     connected = time.perf_counter()  # the response headers are in
     try:
@@ -570,10 +706,14 @@ async def _attempt(candidate: Candidate, prepared: Prepared) -> Opened:
 async def _until_first_token(
     candidate: Candidate, stream: UpstreamStream, prepared: Prepared
 ) -> Opened:
-    """Read until the first content token (or the end); raise on an in-band error before it."""
+    """Read until the first content token (or the end); raise on an in-band error before it,
+    and on more events or bytes before it than the provider's limits allow (all of them are
+    held until the commit)."""
     head: list[bytes] = []
     tally = Tally()
     translate = prepared.stream.feed if stream.streaming else prepared.body
+    limits = candidate.provider.limits
+    events = size = 0  # events read without content so far, and their bytes
     while True:
         batch = await stream.read()
         if batch is None:
@@ -599,4 +739,14 @@ async def _until_first_token(
                     batch[index + 1 :],
                     tally,
                     ended=chunk.done or not stream.streaming,
+                )
+            events += 1
+            size += len(chunk.raw)
+            if events > limits.max_precommit_events or size > limits.max_precommit_bytes:
+                raise ProviderError(
+                    f"more than {limits.max_precommit_events} events or "
+                    f"{limits.max_precommit_bytes} bytes before the first content token "
+                    "(max_precommit_events, max_precommit_bytes)",
+                    deployment=candidate.id,
+                    kind="precommit_limit",
                 )

@@ -140,6 +140,12 @@ class Cooldowns:
             state.failures = 0
             self.opened[deployment] = self.opened.get(deployment, 0) + 1
 
+    def is_open(self, deployment: str) -> bool:
+        """The deployment is cooling down now (its breaker opened and has not yet let a probe
+        through)."""
+        state = self._states.get(deployment)
+        return state is not None and state.until > self._clock()
+
     def until_wall(self) -> dict[str, float]:
         """The end of each cooldown in progress, as Unix time (for `/admin/latency`)."""
         now, wall = self._clock(), time.time()
@@ -157,8 +163,12 @@ class RetryBudget:
         self.retries = 0  # failover attempts of those requests
         self.denied = 0
 
-    def acquire(self) -> bool:
-        if self.retries < max(self._floor, self._share * self.active):
+    def acquire(self, *, away_from_open_breaker: bool = False) -> bool:
+        """Take a token for a failover after an error. `away_from_open_breaker`: this is the
+        request's first failover and the deployment it leaves is cooling down, so the failover
+        adds no load to it; that one is never refused (an outage's first seconds must not turn
+        into client errors while a healthy fallback exists)."""
+        if away_from_open_breaker or self.retries < max(self._floor, self._share * self.active):
             self.retries += 1
             return True
         self.denied += 1
@@ -174,10 +184,13 @@ gateway may hedge a little (with the default 5% cap: one hedge) before it has se
 
 
 class HedgeBudget:
-    """Caps hedges at a fraction of a model's attempts over the latency window.
+    """Caps latency rescues (hedges and deadline failovers: the extra upstream requests started
+    for a slow attempt) at a fraction of the model's client requests over the latency window.
 
-    The window's attempts and hedged attempts come from the latency snapshot (shared by every
-    replica when the store is Redis); hedges of this process not yet in the snapshot are added.
+    The window's client requests and rescues come from the latency snapshot (shared by every
+    replica when the store is Redis), counted against the model the client asked for whichever
+    deployment served; rescues of this process not yet in the snapshot are added. Failovers
+    after errors are not rescues: the retry budget bounds those.
     """
 
     def __init__(self) -> None:
@@ -193,9 +206,9 @@ class HedgeBudget:
             self._ended.clear()
         stats = snapshot.models.get(model)
         hedged = stats.hedges if stats is not None else 0
-        attempts = stats.requests if stats is not None else 0
+        requests = stats.clients if stats is not None else 0
         used = hedged + self._inflight.get(model, 0) + self._ended.get(model, 0)
-        if used + 1 <= fraction * max(attempts, HEDGE_FLOOR_REQUESTS):
+        if used + 1 <= fraction * max(requests, HEDGE_FLOOR_REQUESTS):
             self._inflight[model] = self._inflight.get(model, 0) + 1
             self.count(model, "started")
             return True
@@ -222,8 +235,31 @@ class HedgeBudget:
         self.counts[(model, "started")] -= 1
 
 
+EXPLORE_EVERY_S = 0.5
+"""A deployment that was routed away is explored at most this often per replica (and within the
+model's cap on extra load)."""
+
+
+class Explorer:
+    """Paces exploration of deployments that were routed away."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._next: dict[str, float] = {}
+        self.explored = 0
+
+    def due(self, deployment: str) -> bool:
+        """True at most once per `EXPLORE_EVERY_S` for each deployment."""
+        now = self._clock()
+        if now < self._next.get(deployment, 0.0):
+            return False
+        self._next[deployment] = now + EXPLORE_EVERY_S
+        self.explored += 1
+        return True
+
+
 class Guards:
-    """The three guards, one set per app."""
+    """The guards, one set per app."""
 
     def __init__(
         self,
@@ -236,3 +272,4 @@ class Guards:
         self.cooldowns = Cooldowns(cooldown, clock=clock, rng=rng)
         self.retries = RetryBudget(retry_budget)
         self.hedges = HedgeBudget()
+        self.explorer = Explorer(clock=clock)

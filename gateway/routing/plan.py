@@ -13,8 +13,9 @@ the retry budget), or when its p99 fits B outright.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -22,9 +23,11 @@ from gateway.config import DeploymentSpec, ModelSpec, OnTTFTMiss, Settings
 from gateway.errors import CoolingDownError, InvalidRequestError
 from gateway.latency import MetricStats, Snapshot, TargetStats
 from gateway.models import Call
+from gateway.prompt_size import band_of, fit_line
 from gateway.providers import can_serve
 from gateway.providers.base import Provider
 
+Level = Literal["p50", "p90", "p95", "p99"]
 Route = Literal[
     "primary", "budget", "budget_unattainable", "ttft_failover", "hedge", "error_fallback"
 ]
@@ -32,7 +35,10 @@ Route = Literal[
 SUCCESSOR_MARGIN = 1.1
 """A successor's p99 TTFT is padded by 10% (the sketch's own error, drift since the snapshot)."""
 UNKNOWN_SHARE = 0.5
-"""An attempt whose successor's TTFT is unknown gets this share of the remaining budget."""
+"""A successor whose TTFT is unknown is explored, as a hedge, once this share of the budget is
+gone."""
+HEDGE_LEVEL: Literal["p90"] = "p90"
+"""The successor's TTFT quantile a hedge is timed by: a hedge wins on the typical case."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,8 @@ class Candidate:
     # the queue it was predicted from (see gateway/routing/predict.py).
     predicted_ttft_s: float | None = None
     queue: float | None = None
+    prompt_bytes: int | None = None  # this request's body size: its TTFT is read for that size
+    recent: TargetStats | None = None  # the last few seconds only (see `Snapshot.recent`)
 
     @property
     def id(self) -> str:
@@ -55,17 +63,21 @@ class Candidate:
 
     @property
     def ttft_p99_s(self) -> float | None:
-        """The TTFT predicted from the server's load, else the trusted observed p99, else the
-        configured prior, else unknown."""
-        if self.predicted_ttft_s is not None:
-            return self.predicted_ttft_s
-        return _trusted(self.stats.ttft if self.stats else None, "p99", self._prior("ttft_ms"))
+        """The TTFT predicted from the server's load, else the trusted observed p99 for this
+        request's prompt size, else the configured prior, else unknown."""
+        return self.ttft_quantile_s("p99")
 
-    def ttft_quantile_s(self, level: Literal["p90", "p95", "p99"]) -> float | None:
-        """The predicted TTFT, else a trusted observed quantile (the prior only knows p99)."""
+    def ttft_quantile_s(self, level: Level) -> float | None:
+        """The predicted TTFT, else a trusted observed quantile for this request's prompt size
+        (see `ttft_for_size`), else the prior (which only knows p99)."""
         if self.predicted_ttft_s is not None:
             return self.predicted_ttft_s
-        return _trusted(self.stats.ttft if self.stats else None, level, self._prior("ttft_ms"))
+        stats = self.stats
+        if stats is not None and self.prompt_bytes is not None and stats.bands:
+            sized = ttft_for_size(stats, self.prompt_bytes, level)
+            if sized is not None:
+                return sized / 1000.0
+        return _trusted(stats.ttft if stats else None, level, self._prior("ttft_ms"))
 
     def predicted_total_s(self, max_tokens: int | None) -> float | None:
         """p99 TTFT + p99 TPOT * expected output tokens (`max_tokens`, or the observed mean
@@ -84,9 +96,37 @@ class Candidate:
         return None if value is None else value / 1000.0
 
 
-def _trusted(
-    stats: MetricStats | None, level: Literal["p90", "p95", "p99"], prior_s: float | None
-) -> float | None:
+def ttft_for_size(stats: TargetStats, prompt_bytes: int, level: Level) -> float | None:
+    """A TTFT quantile (ms) for a prompt of `prompt_bytes`, from the window's prompt-size bands:
+    its own band's when trusted; else read off a line fitted through the trusted bands' values
+    against their mean sizes (prefill grows linearly with the prompt); else, with one trusted
+    band of larger prompts, that band's (an upper bound). `math.inf` when a trusted band of
+    prompts no longer than this one has that quantile beyond every cut; None when the bands say
+    nothing for this size (the deployment-wide figure then stands)."""
+    own = stats.bands.get(band_of(prompt_bytes))
+    if own is not None and own.ttft.trusted:
+        value: float | None = getattr(own.ttft, level)
+        return value
+    points: list[tuple[float, float]] = []
+    for band in stats.bands.values():
+        found = getattr(band.ttft, level) if band.ttft.trusted else None
+        if found is None:
+            continue
+        if math.isinf(found):
+            if band.mean_bytes <= prompt_bytes:
+                return math.inf  # shorter prompts already have no known tail
+            continue
+        points.append((band.mean_bytes, found))
+    line = fit_line(points)
+    if line is not None:
+        base, slope = line
+        return base + slope * prompt_bytes
+    if len(points) == 1 and prompt_bytes <= points[0][0]:
+        return points[0][1]
+    return None
+
+
+def _trusted(stats: MetricStats | None, level: Level, prior_s: float | None) -> float | None:
     if stats is not None and stats.trusted:
         value: float | None = getattr(stats, level)
         if value is not None:
@@ -100,6 +140,7 @@ class Budget:
 
     ttft_s: float | None = None  # streaming only
     total_s: float | None = None
+    tpot_s: float | None = None  # a per-token target (`x-slo-tpot-ms`), streaming only
     on_ttft_miss: OnTTFTMiss = "failover"
     rescue_share: float = 0.2  # share of requests a successor may take over (hedge cap, retries)
 
@@ -118,6 +159,9 @@ class Plan:
     candidates: list[Candidate]  # in try order
     route: Route  # why the first candidate leads: primary | budget | budget_unattainable | ...
     ttft_rescue: bool = True  # False: a late first token is not worth a failover or a hedge
+    # The first candidate is explored: it was routed away, and is tried with the one that would
+    # have served started beside it at once, so the client gets whichever answers first.
+    explore: bool = False
 
 
 def weighted_order(
@@ -161,6 +205,7 @@ def candidates(
     Raises InvalidRequestError when no configured deployment can serve this kind of call.
     """
     stats = snapshot.deployments if snapshot is not None else {}
+    recent = snapshot.recent if snapshot is not None else {}
     found: list[Candidate] = []
     seen: set[str] = set()
     for model in chain:
@@ -168,7 +213,16 @@ def candidates(
             provider = providers[deployment.provider]
             if deployment.id not in seen and can_serve(provider, call.endpoint):
                 seen.add(deployment.id)
-                found.append(Candidate(model.name, deployment, provider, stats.get(deployment.id)))
+                found.append(
+                    Candidate(
+                        model.name,
+                        deployment,
+                        provider,
+                        stats.get(deployment.id),
+                        prompt_bytes=len(call.raw),
+                        recent=recent.get(deployment.id),
+                    )
+                )
     if not found:
         raise InvalidRequestError(
             f"model {chain[0].name!r} has no deployment that serves {call.endpoint} requests",
@@ -206,30 +260,72 @@ def by_prediction(
     return out
 
 
-def deadline(remaining_s: float, successor: Candidate | None) -> float:
-    """How long an attempt may wait for its first token before `successor` is started: what
-    remains once the successor's padded p99 TTFT is set aside; half of it when the successor is
-    unknown; all of it when the successor could not land inside the budget anyway."""
-    if successor is None:
-        return remaining_s
-    need = successor.ttft_p99_s
-    if need is None:
-        return remaining_s * UNKNOWN_SHARE
-    need *= SUCCESSOR_MARGIN
-    return remaining_s - need if need < remaining_s else remaining_s
-
-
-def hedge_point(remaining_s: float, candidate: Candidate, successor: Candidate | None) -> float:
-    """When to start a hedge: at the deadline, or at the candidate's observed p95 when that is
-    earlier and the budget is tight (its p99 plus a failover would not fit)."""
-    at = deadline(remaining_s, successor)
-    p95, p99 = candidate.ttft_quantile_s("p95"), candidate.ttft_p99_s
+def deadline(remaining_s: float, successor: Candidate | None) -> float | None:
+    """How long an attempt may wait for its first token before `successor` replaces it: what
+    remains once the successor's padded p99 TTFT is set aside. None when a failover cannot help:
+    no successor, one not yet measured (see `explore_point`: it is tried by a hedge instead), or
+    one whose p99 would not land inside the budget either (cutting would only restart the wait)."""
     need = successor.ttft_p99_s if successor is not None else None
-    if p95 is not None and p99 is not None and need is not None:
-        tight = p99 + need * SUCCESSOR_MARGIN > remaining_s
-        if tight and p95 < at:
-            return p95
+    if need is None:
+        return None
+    need *= SUCCESSOR_MARGIN
+    return remaining_s - need if need < remaining_s else None
+
+
+def explore_point(remaining_s: float, successor: Candidate | None) -> float | None:
+    """When to start a successor nobody has measured yet, as a hedge (the attempt keeps
+    running, so exploring costs the client nothing): once this share of the budget is gone."""
+    if successor is None or successor.ttft_quantile_s(HEDGE_LEVEL) is not None:
+        return None
+    return remaining_s * UNKNOWN_SHARE
+
+
+def hedge_point(
+    remaining_s: float, candidate: Candidate, successor: Candidate | None
+) -> float | None:
+    """When to start a hedge. A hedge wins on the successor's typical TTFT (its p90), not its
+    tail, so it starts once what remains is just that (padded); earlier, at the candidate's own
+    p95, when the budget is tight (its p99 plus the successor would not fit). An unknown
+    successor is explored at `explore_point`; None when no hedge could land in time."""
+    if successor is None:
+        return None
+    typical = successor.ttft_quantile_s(HEDGE_LEVEL)
+    if typical is None:
+        return explore_point(remaining_s, successor)
+    need = typical * SUCCESSOR_MARGIN
+    if need >= remaining_s:
+        return None
+    at = remaining_s - need
+    p95, p99 = candidate.ttft_quantile_s("p95"), candidate.ttft_p99_s
+    if p95 is not None and p99 is not None and p99 + need > remaining_s and p95 < at:
+        return p95
     return at
+
+
+def lands_first(candidate: Candidate, wait_s: float, successor: Candidate) -> bool:
+    """Whether an attempt still waiting at `wait_s` is expected to answer before a successor
+    started then would: its typical TTFT for this prompt lies beyond the wait (it is not late,
+    only long) and before the successor's typical landing. Such an attempt is never cut."""
+    own = candidate.ttft_quantile_s("p50")
+    theirs = successor.ttft_quantile_s("p50")
+    if own is None or theirs is None or math.isinf(own):
+        return False
+    return wait_s < own <= wait_s + theirs
+
+
+def rescue_point(
+    remaining_s: float, candidate: Candidate, successor: Candidate | None, *, hedge: bool
+) -> float | None:
+    """When an attempt without a first token is rescued (by a hedge, or a failover that cuts
+    it); None when it is left to run."""
+    if successor is None:
+        return None
+    if hedge:
+        return hedge_point(remaining_s, candidate, successor)
+    at = deadline(remaining_s, successor)
+    if at is None:
+        return explore_point(remaining_s, successor)
+    return None if lands_first(candidate, at, successor) else at
 
 
 def fits(
@@ -241,8 +337,12 @@ def fits(
     if budget.ttft_s is not None and call.stream:
         p99 = candidate.ttft_p99_s
         if p99 is not None:
-            rescuable = successor is not None and budget.on_ttft_miss != "none"
-            cut = deadline(budget.ttft_s, successor) if rescuable else budget.ttft_s
+            at = None
+            if successor is not None and budget.on_ttft_miss != "none":
+                hedge = budget.on_ttft_miss == "hedge"
+                at = rescue_point(budget.ttft_s, candidate, successor, hedge=hedge)
+            rescuable = at is not None
+            cut = at if at is not None else budget.ttft_s
             # A prediction is this request's own expected TTFT, not a tail: the attempt would be
             # cut at its deadline, so that is what it must meet.
             alone = p99 <= (cut if candidate.predicted_ttft_s is not None else budget.ttft_s)
@@ -256,6 +356,11 @@ def fits(
         total = candidate.predicted_total_s(call.max_tokens)
         if total is not None:
             verdicts.append(total <= budget.total_s)
+    if budget.tpot_s is not None and call.stream:
+        stats = candidate.stats
+        tpot = _trusted(stats.tpot if stats else None, "p99", candidate._prior("tpot_ms"))
+        if tpot is not None:
+            verdicts.append(tpot <= budget.tpot_s)
     return all(verdicts) if verdicts else None
 
 
@@ -282,13 +387,15 @@ def plan(
             retry_after_s=soonest,
         )
     route: Route = "primary" if available[0] is found[0] else "error_fallback"
-    if budget.ttft_s is None and budget.total_s is None:
+    if budget.ttft_s is None and budget.total_s is None and budget.tpot_s is None:
         return Plan(available, route)
     best: tuple[float, int] | None = None
     for index, candidate in enumerate(available):
         # Whoever leads, the first of the others follows it.
         successor = None if len(available) == 1 else available[1 if index == 0 else 0]
         verdict = fits(candidate, successor, budget, call)
+        if verdict is False and recovered(candidate, successor, budget, call):
+            verdict = True
         if verdict is None or verdict:
             if index == 0:
                 return Plan(available, route)
@@ -299,6 +406,35 @@ def plan(
     if best is None:
         return Plan(available, route)
     return Plan(_lead(available, best[1]), "budget_unattainable")
+
+
+def recovered(
+    candidate: Candidate, successor: Candidate | None, budget: Budget, call: Call
+) -> bool:
+    """Whether a candidate the window says does not fit fits on its last few seconds alone (with
+    enough samples there to judge): it was routed away and is better now. The full window would
+    hold the bad spell for its whole length; the recent view lets traffic return in seconds."""
+    recent = candidate.recent
+    if recent is None or not recent.trusted:
+        return False
+    return fits(replace(candidate, stats=recent, recent=None), successor, budget, call) is True
+
+
+def with_exploration(chosen: Plan, found: Sequence[Candidate], due: Callable[[str], bool]) -> Plan:
+    """`chosen`, or, when it leads with another deployment because the preferred one (the first
+    of `found` still on the list) did not fit and `due(preferred id)` says it is time, a plan
+    that explores the preferred one: it goes first, with the chosen lead started beside it."""
+    if chosen.route != "budget" or len(chosen.candidates) < 2:
+        return chosen
+    preferred = next((c for c in found if c in chosen.candidates), None)
+    if preferred is None or preferred is chosen.candidates[0]:
+        return chosen
+    if preferred.predicted_ttft_s is not None:
+        return chosen  # its load is read from the server itself: exploring would only add to it
+    if not due(preferred.id):
+        return chosen
+    rest = [c for c in chosen.candidates if c is not preferred]
+    return Plan([preferred, *rest], chosen.route, chosen.ttft_rescue, explore=True)
 
 
 def _budget_lead(available: list[Candidate], index: int, budget: Budget, call: Call) -> Plan:

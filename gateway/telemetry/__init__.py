@@ -9,6 +9,7 @@ from gateway.telemetry.access import AccessLog, configure_logging
 from gateway.telemetry.meters import (
     BatchingCollector,
     BatchingState,
+    ExtraLoadCollector,
     GuardsCollector,
     LimitsCollector,
     LimitsState,
@@ -28,6 +29,7 @@ __all__ = [
     "AccessLog",
     "BatchingCollector",
     "BatchingState",
+    "ExtraLoadCollector",
     "GuardsCollector",
     "LatencyStoreCollector",
     "LimitsCollector",

@@ -3,19 +3,69 @@ and counters per client request, and the routing guards' counters read at scrape
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway import semconv as sc
-from gateway.latency import CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Sample
+from gateway.latency import BYTES_PER_TOKEN, CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Sample, Snapshot
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # `*_created` series double the exposition and no dashboard reads them
 _ABANDONED = (TTFT_DEADLINE, HEDGE_LOST, CANCELLED)  # attempts cut short: no duration of their own
+
+# --- label vocabularies --------------------------------------------------------------------------
+# A label value that could come from outside (an upstream's error code, status or type) is mapped
+# onto these fixed sets, so that no upstream or client can grow the number of series.
+
+GATEWAY_ERRORS: Final = frozenset(
+    {
+        # error codes the gateway answers with (gateway/errors.py and the request checks)
+        *("admin_key_not_allowed", "admin_key_required", "all_candidates_failed"),
+        *("budget_exceeded", "context_length_exceeded", "deployments_cooling_down"),
+        *("empty_array", "headers_too_large", "integer_below_min_value", "invalid_api_key"),
+        *("invalid_header", "invalid_json", "invalid_request", "invalid_type", "invalid_value"),
+        *("key_limit_exceeded", "missing_api_key", "missing_required_parameter"),
+        *("model_not_allowed", "model_not_found", "overloaded", "permission_denied"),
+        *("rate_limit_exceeded", "request_timeout", "request_too_large", "upstream_error"),
+        *("upstream_overloaded", "upstream_rejected", "upstream_stream_error"),
+        *("upstream_timeout", "not_found", "method_not_allowed", "http_error", "internal_error"),
+        *("duplicate_key", "invalid_http_request", "json_too_deep"),
+        # error types, for an error without a code
+        *("server_error", "invalid_request_error", "rate_limit_error", "requests", "tokens"),
+        # how a request ended without an error response
+        *("client_disconnected", "shutdown", "internal"),
+        # why an upstream attempt failed
+        *("connection_error", "invalid_response", "timeout", "truncated", "total_deadline"),
+        *("inband_error", "stream_idle", "precommit_limit", "error"),
+        *("ProviderError", "ProviderTimeoutError", "RateLimitedError"),
+        *("ProviderUnavailableError", "ProviderRejectedError"),
+    }
+)
+# Upstream statuses kept as they are; any other becomes its class (`4xx`, `5xx`).
+UPSTREAM_STATUSES: Final = frozenset(
+    str(status) for status in (400, 401, 403, 404, 408, 409, 413, 422, 429, 500, 502, 503, 504, 529)
+)
+UPSTREAM_OTHER: Final = "upstream_other"
+ERROR_TYPES: Final = (
+    GATEWAY_ERRORS | UPSTREAM_STATUSES | {"1xx", "2xx", "3xx", "4xx", "5xx"} | {UPSTREAM_OTHER}
+)
+
+
+def error_label(value: str | None) -> str:
+    """The `error_type` label for an error code, type or attempt outcome: itself when it is in
+    `ERROR_TYPES`, an HTTP status's class for a status not in `UPSTREAM_STATUSES`, else
+    `upstream_other` (e.g. an upstream's own error code). "" for no error."""
+    if not value:
+        return ""
+    if value in ERROR_TYPES:
+        return value
+    if len(value) == 3 and value.isascii() and value.isdigit() and "1" <= value[0] <= "5":
+        return value[0] + "xx"
+    return UPSTREAM_OTHER
 
 
 class Meters:
@@ -112,6 +162,39 @@ class Meters:
             buckets=sc.OVERHEAD_BUCKETS,
             registry=registry,
         )
+        self.stage_duration = Histogram(
+            sc.STAGE_DURATION,
+            "Time in each stage of a committed client request, by the model asked for: "
+            "overhead (the gateway's own), queue (bulk admission), connect (to the winning "
+            "attempt's response headers), ttft (arrival to first token, streams), decode (first "
+            "to last token, streams), total.",
+            ["model", "stage"],
+            buckets=sc.STAGE_BUCKETS,
+            registry=registry,
+        )
+        self._stages: dict[str, tuple[Any, ...]] = {}  # model -> one child per stage
+        self.slo_requests = Counter(
+            sc.SLO_REQUESTS,
+            "Client requests judged against a budget they had, by the model asked for, the "
+            "deployment that served (empty when none did), the budget (ttft, total, tpot) and "
+            "whether it was met or missed.",
+            ["model", "deployment", "slo", "result"],
+            registry=registry,
+        )
+        self.wasted_attempts = Counter(
+            sc.WASTED_ATTEMPTS,
+            "Upstream attempts started and thrown away for another attempt of the same request "
+            "(cut at a deadline, or beaten by a hedge).",
+            ["model", "deployment"],
+            registry=registry,
+        )
+        self.wasted_prompt_tokens = Counter(
+            sc.WASTED_PROMPT_TOKENS,
+            "Prompt tokens of the wasted attempts (estimated from the body size: prefill work "
+            "started and thrown away).",
+            ["model", "deployment"],
+            registry=registry,
+        )
 
     def describe(self, deployments: Mapping[str, tuple[str, str]]) -> None:
         """Learn the (provider name, upstream model) of deployments (a reload may add some)."""
@@ -133,6 +216,10 @@ class Meters:
 
     def record(self, sample: Sample) -> None:
         """One finished upstream attempt."""
+        if sample.wasted:
+            self._child(self.wasted_attempts, sample.model, sample.deployment).inc()
+            tokens = (sample.prompt_bytes or 0) // BYTES_PER_TOKEN
+            self._child(self.wasted_prompt_tokens, sample.model, sample.deployment).inc(tokens)
         error = sample.error
         outcome = "won" if sample.ok else (error if error in _ABANDONED else "error")
         self._child(self.attempts, sample.deployment, outcome or "error").inc()
@@ -141,7 +228,11 @@ class Meters:
         system, model = self._deployments.get(sample.deployment, ("", sample.deployment))
         operation = sc.OPERATIONS.get(sample.endpoint, sample.endpoint)
         self._child(
-            self.client_duration, operation, system, model, "" if sample.ok else error or "error"
+            self.client_duration,
+            operation,
+            system,
+            model,
+            "" if sample.ok else error_label(error or "error"),
         ).observe(sample.total_s)
         if not sample.ok:
             return
@@ -173,11 +264,51 @@ class Meters:
         key = (model, route if status < 400 else "error")
         self.routes[key] = self.routes.get(key, 0) + 1
         operation = sc.OPERATIONS.get(endpoint, endpoint)
-        self._child(self.server_duration, operation, model, error_type or "").observe(duration_s)
+        self._child(self.server_duration, operation, model, error_label(error_type)).observe(
+            duration_s
+        )
         if overhead_s is not None:
             self._child(self.overhead, model).observe(overhead_s)
         if route not in ("", "primary", "hedge"):
             self._child(self.fallbacks, model, route).inc()
+
+    def judged(self, model: str, deployment: str, verdicts: Mapping[str, bool]) -> None:
+        """One client request's verdicts: {"ttft" | "total" | "tpot": met}, for each budget it
+        was judged on ("" deployment: none served)."""
+        for slo, met in verdicts.items():
+            self._child(self.slo_requests, model, deployment, slo, "met" if met else "missed").inc()
+
+    def stages(
+        self,
+        model: str,
+        *,
+        arrived: float,
+        ended: float,
+        started: float,
+        connected: float | None,
+        first_token: float | None,
+        last_token: float | None,
+        overhead_s: float | None,
+        queue_s: float | None,
+    ) -> None:
+        """The stages of one committed request, from its clock readings (perf_counter s):
+        `started`/`connected` of the winning attempt, and `first_token`/`last_token` for a
+        stream (None otherwise). A stage that did not happen is not observed."""
+        children = self._stages.get(model)
+        if children is None:
+            children = tuple(self.stage_duration.labels(model, stage) for stage in sc.STAGES)
+            self._stages[model] = children
+        overhead, queue, connect, ttft, decode, total = children
+        if overhead_s is not None:
+            overhead.observe(overhead_s)
+        queue.observe(queue_s or 0.0)  # no bulk gate: no wait
+        if connected:
+            connect.observe(connected - started)
+        if first_token is not None:
+            ttft.observe(first_token - arrived)
+            if last_token is not None:
+                decode.observe(last_token - first_token)
+        total.observe(ended - arrived)
 
 
 class GuardsCollector(Collector):
@@ -223,12 +354,39 @@ class GuardsCollector(Collector):
         yield dropped
 
 
+class ExtraLoadCollector(Collector):
+    """Each model's extra load over the latency window, read from the snapshot at scrape time:
+    latency rescues (hedges and deadline failovers) per client request, all replicas counted."""
+
+    def __init__(
+        self, snapshot: Callable[[], Snapshot], models: Callable[[], Iterable[str]]
+    ) -> None:
+        self._snapshot = snapshot
+        self._models = models  # the configured model names: one series each, traffic or not
+
+    def collect(self) -> Iterator[Metric]:
+        extra = GaugeMetricFamily(
+            sc.EXTRA_LOAD,
+            "Latency rescues (hedges and deadline failovers) per client request of the model, "
+            "over the latency window.",
+            labels=["model"],
+        )
+        known = self._snapshot().models
+        for model in sorted(self._models()):
+            stats = known.get(model)
+            clients = stats.clients if stats is not None else 0
+            extra.add_metric([model], stats.hedges / clients if stats and clients else 0.0)
+        yield extra
+
+
 @dataclass(frozen=True, slots=True)
 class LimitsState:
     rate_limited: Mapping[tuple[str, str], int]  # refusals by (key, requests | tokens)
     store_errors: int  # the rate-limit store's failures
     concurrency_refused: Mapping[str, int]  # refusals by cap: gateway | key
     in_flight: int  # LLM requests admitted and not yet finished
+    store_outages: int = 0  # times the rate-limit store's breaker opened
+    store_degraded: bool = False  # limits decided without the shared store now
 
 
 class LimitsCollector(Collector):
@@ -250,6 +408,20 @@ class LimitsCollector(Collector):
         )
         errors.add_metric([], float(state.store_errors))
         yield errors
+        outages = CounterMetricFamily(
+            sc.RATE_LIMIT_STORE_OUTAGES,
+            "Times the rate-limit store's breaker opened: one per outage, however many checks "
+            "failed in it.",
+        )
+        outages.add_metric([], float(state.store_outages))
+        yield outages
+        degraded = GaugeMetricFamily(
+            sc.RATE_LIMIT_DEGRADED,
+            "1 while rate limits are decided without the shared store (per replica, or "
+            "refused), else 0.",
+        )
+        degraded.add_metric([], float(state.store_degraded))
+        yield degraded
         refused = CounterMetricFamily(
             sc.CONCURRENCY_REFUSED,
             "Requests refused because the gateway's or the key's requests in flight were at "

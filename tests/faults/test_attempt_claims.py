@@ -29,7 +29,7 @@ from gateway.errors import (
 )
 from gateway.latency import MemoryLatencyStore, MemoryRecorder
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import UpstreamStream
+from gateway.providers.base import StreamLimits, UpstreamStream
 from gateway.routing import Candidate, Plan, Policy, open_first
 from gateway.routing.guards import Guards
 from gateway.validate import parse_call
@@ -43,9 +43,9 @@ from tests.faults.wire import DONE, Exchange, RawUpstream, sse_token
 async def test_a_probe_that_fails_oddly_does_not_disable_the_deployment(
     client: httpx.AsyncClient,
 ) -> None:
-    """The breaker opens, its cooldown ends and the probe meets an answer the gateway cannot
-    digest (a 429 with `retry-after: inf`). The probe slot must come back: a later request probes again
-    and is served, instead of `503 deployments_cooling_down` until restart."""
+    """The breaker opens, its cooldown ends and the probe meets an answer the gateway once could
+    not digest (a 429 with `retry-after: inf`). The probe slot must come back: a later request
+    probes again and is served, instead of `503 deployments_cooling_down` until restart."""
     answers = iter(
         [
             (500, {}),  # opens the breaker (one failure is enough here)
@@ -125,7 +125,7 @@ class ScriptedStream:
     def __init__(self, stage: Stage, upstreams: Upstreams) -> None:
         self.status = 200
         self.streaming = True
-        self.upstream_request_id = None
+        self.upstream_request_id: str | None = None
         self._stage = stage
         self._upstreams = upstreams
         self._sent = False
@@ -155,9 +155,10 @@ class ScriptedProvider:
     """A provider whose one deployment behaves as `stage` says, at the stage it names."""
 
     system = "openai"
-    address = None
+    address: str | None = None
     secrets: tuple[str, ...] = ()
-    bulk_priority = None
+    bulk_priority: int | None = None
+    limits = StreamLimits(idle_s=60.0, max_precommit_events=1000, max_precommit_bytes=1 << 20)
 
     def __init__(self, name: str, stage: Stage, upstreams: Upstreams) -> None:
         self.name = name
@@ -169,6 +170,10 @@ class ScriptedProvider:
         if self._stage == "prepare_fails":
             raise RuntimeError("cannot shape the request")
         return "openai"
+
+    @wire.setter
+    def wire(self, value: Wire) -> None:  # the seam declares a plain attribute
+        raise AttributeError("a scripted provider's wire is fixed")
 
     def supports(self, endpoint: Endpoint) -> bool:
         return True

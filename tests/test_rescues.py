@@ -1,0 +1,176 @@
+"""The rescue rules of the attempt loop, on scripted upstreams behind the provider seam.
+
+Each test runs the real race (`open_first`) with real guards and a real latency store; only the
+upstreams are scripted, as the deployments a scenario needs: fast, slow, failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import orjson
+import pytest
+
+from gateway.config import CooldownSpec, DeploymentSpec, OnTTFTMiss, PriorSpec, RetryBudgetSpec
+from gateway.errors import AllCandidatesFailedError, ProviderError
+from gateway.latency import MemoryLatencyStore
+from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
+from gateway.providers.base import StreamLimits, UpstreamStream
+from gateway.routing import Candidate, Guards, Opened, Plan, Policy, open_first
+from gateway.routing.attempts import background_done
+from gateway.validate import parse_call
+
+LIMITS = StreamLimits(idle_s=60.0, max_precommit_events=1000, max_precommit_bytes=1 << 20)
+
+
+class _Stream:
+    status: int = 200
+    streaming: bool = True
+    upstream_request_id: str | None = None
+
+    def __init__(self, delay_s: float) -> None:
+        self._delay_s = delay_s
+        self._sent = False
+
+    async def read(self) -> list[Chunk] | None:
+        if self._sent:
+            return [Chunk(raw=b"data: [DONE]\n\n", done=True)]
+        await asyncio.sleep(self._delay_s)  # the upstream's own TTFT, not synchronisation
+        self._sent = True
+        return [Chunk(raw=b'data: {"choices":[]}\n\n', content=True)]
+
+    async def aclose(self) -> None:
+        return None
+
+
+@dataclass
+class Upstream:
+    """A deployment whose first token takes `ttft_s`, or that fails every request."""
+
+    name: str
+    ttft_s: float = 0.0
+    fails: bool = False
+    opened: int = 0
+    system: str = "openai"
+    address: str | None = None
+    secrets: tuple[str, ...] = ()
+    bulk_priority: int | None = None
+    limits: StreamLimits = LIMITS
+    wire: Wire = "openai"
+
+    def supports(self, endpoint: Endpoint) -> bool:
+        return True
+
+    async def open(self, deployment: str, request: UpstreamRequest) -> UpstreamStream:
+        self.opened += 1
+        if self.fails:
+            raise ProviderError("upstream returned 503", deployment=deployment)
+        return _Stream(self.ttft_s)
+
+
+def candidate(upstream: Upstream, prior_ms: float | None = None) -> Candidate:
+    prior = PriorSpec(ttft_ms=prior_ms) if prior_ms is not None else None
+    spec = DeploymentSpec(provider=upstream.name, model="m", prior=prior)
+    return Candidate(upstream.name, spec, upstream)
+
+
+async def race(
+    plan: Plan,
+    guards: Guards,
+    store: MemoryLatencyStore,
+    *,
+    ttft_s: float | None = 0.5,
+    on_miss: OnTTFTMiss = "failover",
+    cap: float = 1.0,
+) -> Opened:
+    call = parse_call(
+        "chat",
+        orjson.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        ),
+    )
+    policy = Policy("m", time.perf_counter(), ttft_s, on_miss, hedge_fraction=cap)
+    store.arrived("m")
+    return await open_first(
+        call,
+        plan,
+        policy,
+        headers={},
+        recorder=store,
+        guards=guards,
+        snapshot=store.local_snapshot(),
+        inflight=store,
+    )
+
+
+def guards(*, floor: int = 3, failures: int = 3) -> Guards:
+    return Guards(
+        CooldownSpec(failures=failures, base_s=30.0),
+        RetryBudgetSpec(percent=0, min_concurrent=floor),
+    )
+
+
+async def test_an_outage_onset_tries_the_healthy_fallback_whatever_the_retry_floor() -> None:
+    """Many requests meet a primary that just went down, more at once than the retry budget
+    allows (here none at all): once its breaker is open, a request's first failover away from it
+    is never refused, so every one is served by the healthy fallback instead of a 502. While the
+    breaker is still closed the budget applies as before."""
+    down, healthy = Upstream("down", fails=True), Upstream("ok", ttft_s=0.01)
+    plan = Plan([candidate(down), candidate(healthy, prior_ms=50)], "primary")
+    closed, store = guards(floor=0, failures=3), MemoryLatencyStore()
+    with pytest.raises(AllCandidatesFailedError):  # one failure: its breaker is still closed
+        await race(plan, closed, store, ttft_s=None)
+    opens, store = guards(floor=0, failures=1), MemoryLatencyStore()
+    opens.retries.active = 20
+    served = await asyncio.gather(*(race(plan, opens, store, ttft_s=None) for _ in range(10)))
+    assert {o.candidate.id for o in served} == {"ok/m"}
+    for opened in served:
+        await opened.close()
+    assert opens.retries.retries == 0
+
+
+async def test_over_the_cap_a_slow_attempt_is_not_rescued() -> None:
+    """The rescue cap counts client requests: with room for none, a slow primary is neither
+    hedged nor failed over; it is waited for (no extra upstream request)."""
+    slow, fast = Upstream("slow", ttft_s=0.3), Upstream("fast", ttft_s=0.01)
+    shared, store = guards(), MemoryLatencyStore()
+    plan = Plan([candidate(slow), candidate(fast, prior_ms=20)], "primary")
+    opened = await race(plan, shared, store, ttft_s=0.2, cap=0.0)
+    await opened.close()
+    assert (opened.candidate.id, opened.route) == ("slow/m", "primary")
+    assert fast.opened == 0
+
+
+async def test_a_deadline_failover_is_a_rescue_counted_for_the_requested_model() -> None:
+    """A deadline failover spends the model's rescue cap like a hedge, and the store counts it
+    against the model the client asked for, over its client requests."""
+    slow, fast = Upstream("slow", ttft_s=5.0), Upstream("fast", ttft_s=0.01)
+    shared, store = guards(), MemoryLatencyStore()
+    plan = Plan([candidate(slow), candidate(fast, prior_ms=20)], "primary")
+    opened = await race(plan, shared, store, ttft_s=0.2)
+    assert opened.route == "ttft_failover"
+    assert opened.hedge_for == "m"  # its sample counts as a rescue of the model asked for
+    assert shared.hedges.held() == 1  # held by the committed response until it closes
+    await opened.close()
+    assert shared.hedges.held() == 0
+
+
+async def test_an_explored_deployment_is_raced_and_timed_even_when_it_loses() -> None:
+    """An exploring plan starts the routed-away deployment and the one that would have served at
+    once: the client gets the first answer, and the explored one is still timed to its first
+    token (an exact TTFT, not a censored one) before it is closed."""
+    explored, lead = Upstream("away", ttft_s=0.15), Upstream("lead", ttft_s=0.01)
+    shared, store = guards(), MemoryLatencyStore(min_samples=1)
+    plan = Plan([candidate(explored), candidate(lead, prior_ms=20)], "budget", explore=True)
+    opened = await race(plan, shared, store, ttft_s=0.5, on_miss="hedge")
+    await opened.close()
+    assert (opened.candidate.id, opened.route) == ("lead/m", "hedge")
+    assert explored.opened == 1
+    async with asyncio.timeout(2):
+        await background_done()  # the explored attempt is timed in the background
+    away = store.local_snapshot().deployments["away/m"]
+    assert (away.ttft.count, away.ttft.censored, away.errors) == (1, 0, 0)
+    assert away.ttft.p50 == pytest.approx(150, rel=0.5)
+    assert shared.hedges.held() == 0 and store.inflight("away/m") == 0
