@@ -34,7 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
-from gateway.prompt_size import band_label, band_of
+from gateway.prompt_size import band_label, band_of, fit_line
 from gateway.sketch import DEFAULT_ALPHA, Sketch, latency_report
 
 __all__ = [
@@ -475,7 +475,28 @@ class TargetStats:
             "trusted": self.trusted,
             "cooldown_until": None,  # filled in by the router's view, which owns cooldowns
             "ttft_by_prompt": [self.bands[b].as_dict(b) for b in sorted(self.bands)],
+            "ttft_model": self.ttft_model(),
         }
+
+    def ttft_model(self) -> dict[str, dict[str, float] | None]:
+        """TTFT as `base + slope x prompt size` per quantile, fitted through the trusted prompt
+        bands (None for a quantile with fewer than two sizes to fit, or a tail beyond the cuts)."""
+        out: dict[str, dict[str, float] | None] = {}
+        for level in ("p50", "p90", "p99"):
+            points = [
+                (band.mean_bytes, value)
+                for band in self.bands.values()
+                if band.ttft.trusted
+                and (value := getattr(band.ttft, level)) is not None
+                and not math.isinf(value)
+            ]
+            line = fit_line(points)
+            out[level] = (
+                None
+                if line is None
+                else {"base_ms": round(line[0], 3), "ms_per_kib": round(line[1] * 1024, 4)}
+            )
+        return out
 
 
 def _no_targets() -> Mapping[str, TargetStats]:

@@ -38,7 +38,13 @@ class Clock:
         return self.now
 
 
-def ok(deployment: str = "d1", model: str = "m", *, ttft_ms: float = 100.0) -> Sample:
+def ok(
+    deployment: str = "d1",
+    model: str = "m",
+    *,
+    ttft_ms: float = 100.0,
+    prompt_bytes: int | None = None,
+) -> Sample:
     return Sample(
         deployment=deployment,
         model=model,
@@ -46,6 +52,7 @@ def ok(deployment: str = "d1", model: str = "m", *, ttft_ms: float = 100.0) -> S
         total_s=ttft_ms * 3 / 1000,
         ttft_s=ttft_ms / 1000,
         tpot_s=0.02,
+        prompt_bytes=prompt_bytes,
     )
 
 
@@ -416,3 +423,22 @@ async def test_run_store_flushes_on_exit(redis_server: RedisServer) -> None:
 def test_sketch_is_reexported() -> None:
     """The sketch is reachable from the latency module, where the stores live."""
     assert Sketch().alpha == 0.02
+
+
+def test_ttft_is_kept_per_prompt_size_and_fitted_against_it() -> None:
+    """TTFT is also counted per prompt-size band, with the bands' mean sizes, and the admin view
+    fits base + slope x size through the trusted bands: 100 ms + 10 ms per KiB here."""
+    store = MemoryLatencyStore(min_samples=5, clock=Clock())
+    for kib, ttft_ms in ((1, 110), (20, 300), (60, 700)):
+        for _ in range(6):
+            store.record(ok(ttft_ms=ttft_ms, prompt_bytes=kib * 1024))
+    d1 = stats(store)
+    assert sorted(d1.bands) == [0, 4, 5]
+    assert d1.bands[5].mean_bytes == 60 * 1024
+    assert d1.bands[4].ttft.p50 == pytest.approx(300, rel=0.02)
+    model = d1.ttft_model()["p50"]
+    assert model is not None
+    assert model["base_ms"] == pytest.approx(100, rel=0.05)
+    assert model["ms_per_kib"] == pytest.approx(10, rel=0.05)
+    view = d1.as_dict()
+    assert [row["prompt"] for row in view["ttft_by_prompt"]] == ["<2 KiB", "16-32 KiB", "32-64 KiB"]

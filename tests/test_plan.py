@@ -176,7 +176,8 @@ def test_a_successor_that_cannot_land_in_time_rescues_nothing() -> None:
     """A successor too slow to land inside the budget is never started for a slow attempt
     (cutting or joining it would only restart the wait), and a primary that needs rescuing then
     does not fit."""
-    successor = cand("b", metric(950.0))  # padded to 1.045 s: more than the whole budget
+    # p50 and p99 alike padded to 1.045 s: more than the whole budget.
+    successor = cand("b", MetricStats(950.0, 950.0, 950.0, 950.0, 100, True))
     assert deadline(1.0, successor) is None
     primary = cand("a", metric(8000.0, p95=5000.0, p90=450.0))
     assert rescue_point(1.0, primary, successor, hedge=False) is None
@@ -340,6 +341,13 @@ def test_hedge_point_without_a_successor_is_none() -> None:
 def test_hedge_point_with_an_unknown_successor_explores_at_half() -> None:
     """An unknown successor is explored once half of what remains is gone."""
     assert hedge_point(2.0, cand("a", metric(1900.0, p95=400.0)), cand("b")) == pytest.approx(1.0)
+
+
+def test_a_heavy_tailed_successor_is_hedged_with_on_its_median() -> None:
+    """A successor whose p90 sits in its heavy tail (too late to land) but whose median would
+    land is still worth a hedge, timed by its median."""
+    tailed = cand("b", MetricStats(100.0, 2000.0, 2500.0, 3000.0, 100, True))
+    assert hedge_point(1.0, cand("a", metric(500.0)), tailed) == pytest.approx(1.0 - 0.11)
 
 
 def test_a_hedge_is_timed_by_the_successors_typical_ttft() -> None:

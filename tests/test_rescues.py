@@ -112,23 +112,25 @@ def guards(*, floor: int = 3, failures: int = 3) -> Guards:
     )
 
 
-async def test_an_outage_onset_tries_the_healthy_fallback_whatever_the_retry_floor() -> None:
+async def test_an_outage_onset_tries_the_healthy_fallback_whatever_the_retry_budget() -> None:
     """Many requests meet a primary that just went down, more at once than the retry budget
-    allows (here none at all): once its breaker is open, a request's first failover away from it
-    is never refused, so every one is served by the healthy fallback instead of a 502. While the
-    breaker is still closed the budget applies as before."""
+    allows (here none at all): a request's first failover goes to another deployment and adds
+    nothing to the failing one, so it is never refused, and every request is served by the
+    healthy fallback instead of a 502. The budget still bounds a request's later failovers."""
     down, healthy = Upstream("down", fails=True), Upstream("ok", ttft_s=0.01)
+    shared, store = guards(floor=0), MemoryLatencyStore()
+    shared.retries.active = 20
     plan = Plan([candidate(down), candidate(healthy, prior_ms=50)], "primary")
-    closed, store = guards(floor=0, failures=3), MemoryLatencyStore()
-    with pytest.raises(AllCandidatesFailedError):  # one failure: its breaker is still closed
-        await race(plan, closed, store, ttft_s=None)
-    opens, store = guards(floor=0, failures=1), MemoryLatencyStore()
-    opens.retries.active = 20
-    served = await asyncio.gather(*(race(plan, opens, store, ttft_s=None) for _ in range(10)))
+    served = await asyncio.gather(*(race(plan, shared, store, ttft_s=None) for _ in range(10)))
     assert {o.candidate.id for o in served} == {"ok/m"}
     for opened in served:
         await opened.close()
-    assert opens.retries.retries == 0
+    assert shared.retries.retries == 0
+    fresh, also_down = guards(floor=0), Upstream("down2", fails=True)
+    twice = Plan([candidate(down), candidate(also_down), candidate(healthy)], "primary")
+    with pytest.raises(AllCandidatesFailedError):  # a second failover: the budget says no
+        await race(twice, fresh, store, ttft_s=None)
+    assert healthy.opened == 10
 
 
 async def test_over_the_cap_a_slow_attempt_is_not_rescued() -> None:

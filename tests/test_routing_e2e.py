@@ -306,20 +306,22 @@ async def test_repeated_failures_open_the_breaker(
     assert primary.stats.requests == 3
 
 
-async def test_retry_budget_spent_answers_with_the_error(
+async def test_a_first_failover_is_never_refused_by_the_retry_budget(
     primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
 ) -> None:
-    """With no retry budget, a failure is answered as it is rather than failed over."""
-    settings = routed(
-        primary,
-        fallback,
-        "bad@error_500_rate=1",
-        routing={"retry_budget": {"percent": 0, "min_concurrent": 0}},
-    )
-    async with run_gateway(settings) as gw:
-        resp = await client.post(gw.base_url + "/chat/completions", json={"model": "m", **CHAT})
-    assert resp.status_code == 502
-    assert fallback.stats.requests == 0
+    """With no retry budget at all, a request's first failover still goes to the fallback (it
+    adds no load to the failing deployment): a healthy fallback serves, and a failing one is
+    answered as it is, after exactly one failover."""
+    budget = {"routing": {"retry_budget": {"percent": 0, "min_concurrent": 0}}}
+    healthy = routed(primary, fallback, "bad@error_500_rate=1", **budget)
+    async with run_gateway(healthy) as gw:
+        served = await client.post(gw.base_url + "/chat/completions", json={"model": "m", **CHAT})
+    assert (served.status_code, served.headers["x-tailguard-route"]) == (200, "error_fallback")
+    both = routed(primary, fallback, "bad@error_500_rate=1", "worse@error_500_rate=1", **budget)
+    async with run_gateway(both) as gw:
+        failed = await client.post(gw.base_url + "/chat/completions", json={"model": "m", **CHAT})
+    assert failed.status_code == 502
+    assert fallback.stats.requests == 2  # one per request: never a second failover
 
 
 # --- after commit --------------------------------------------------------------------------------
@@ -404,3 +406,57 @@ async def test_anthropic_ingress_uses_the_same_attempt_loop(
     assert resp.headers["x-tailguard-deployment"] == "f/ok"
     assert text.startswith("event: message_start")
     assert text.rstrip().endswith('data: {"type":"message_stop"}')
+
+
+async def test_short_and_long_prompts_are_judged_by_their_own_size(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A primary that prefills slowly serves short prompts well within the budget and long ones
+    not at all; the fallback prefills fast. Once each size has been measured, short prompts stay
+    on the primary and long ones go to the fallback: a few long samples no longer make the
+    primary look slow for every prompt (before, its p99 over all sizes sent everything away)."""
+    settings = gateway_settings(
+        {
+            "p": {"type": "openai", "base_url": primary.base_url},
+            "f": {"type": "openai", "base_url": fallback.base_url},
+        },
+        [
+            {
+                "name": "m",
+                "deployments": [
+                    {"provider": "p", "model": "p@prefill_base_ms=20,prefill_ms_per_token=0.1"}
+                ],
+                "fallbacks": ["b"],
+                "budget": {"ttft_ms": 300},
+                "on_ttft_miss": "none",
+            },
+            {
+                "name": "b",
+                "deployments": [
+                    {"provider": "f", "model": "f@prefill_base_ms=40,prefill_ms_per_token=0.01"}
+                ],
+            },
+        ],
+        latency={"min_samples": 3},
+    )
+    short = {"model": "m", "stream": True, **CHAT}
+    long_ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "w " * 8000}]}
+
+    async def served(body: dict[str, Any]) -> str:
+        async with client.stream("POST", gw.url + "/v1/chat/completions", json=body) as resp:
+            await resp.aread()
+        assert resp.status_code == 200
+        return resp.headers["x-tailguard-deployment"]
+
+    async with run_gateway(settings) as gw:
+        for body in (short, long_):  # three of each size teach the primary both bands
+            for _ in range(3):
+                await served(body)
+        slow_prefill = "p/p@prefill_base_ms=20,prefill_ms_per_token=0.1"
+        await poll_latency(client, gw.url, count("deployments", slow_prefill, n=6))
+        routes = [await served(short), await served(long_), await served(short)]
+    assert routes == [
+        "p/p@prefill_base_ms=20,prefill_ms_per_token=0.1",
+        "f/f@prefill_base_ms=40,prefill_ms_per_token=0.01",
+        "p/p@prefill_base_ms=20,prefill_ms_per_token=0.1",
+    ]

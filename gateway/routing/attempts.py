@@ -272,7 +272,7 @@ class _Race:
         if self.ttft_end is None:
             return await self._run_in_order()
         if self.plan.explore and not self._explore():
-            # No room under the cap for the attempt beside it: the chosen lead goes first.
+            # Not for a client's own retry: the chosen lead goes first.
             explored, lead = self.queue.popleft(), self.queue.popleft()
             self.queue.extendleft((explored, lead))
         if not self.live and self._launch(self.plan.route) is None:
@@ -304,22 +304,15 @@ class _Race:
 
     def _explore(self) -> bool:
         """Start the explored candidate and, beside it at once, the one that would have served
-        (a rescue under the cap); False when the cap has no room, and nothing was started."""
-        policy = self.policy
-        if not policy.may_hedge or len(self.queue) < 2:
-            return False
-        if not self.guards.hedges.acquire(policy.model, policy.hedge_fraction, self.snapshot):
+        (paced by the explorer, not under the rescue cap: it is learning, not a rescue); False
+        when nothing was started."""
+        if not self.policy.may_hedge or len(self.queue) < 2:
             return False
         self.hedged = True  # before the launches: neither gets a rescue timer
-        beside = None
-        try:
-            first = self._launch(self.plan.route)
-            if first is not None and first.candidate is self.plan.candidates[0]:
-                first.explore = True
-            beside = self._launch("hedge", rescue_for=policy.model)
-        finally:
-            if beside is None:
-                self.guards.hedges.refund(policy.model)
+        first = self._launch(self.plan.route)
+        if first is not None and first.candidate is self.plan.candidates[0]:
+            first.explore = True
+        self._launch("hedge")
         return True
 
     async def _run_in_order(self) -> Opened:
@@ -345,10 +338,9 @@ class _Race:
             return self._won(live, opened)
 
     def _retry_token(self, failed: str) -> bool:
-        """A retry-budget token for a failover after `failed` erred (given back in `settle`)."""
-        first = self.retries == 0
-        away = first and self.guards.cooldowns.is_open(failed)
-        if not self.guards.retries.acquire(away_from_open_breaker=away):
+        """A retry-budget token for a failover after `failed` erred (given back in `settle`);
+        the request's first is never refused (see `RetryBudget.acquire`)."""
+        if not self.guards.retries.acquire(first=self.retries == 0):
             return False
         self.retries += 1
         return True

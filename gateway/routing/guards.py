@@ -140,12 +140,6 @@ class Cooldowns:
             state.failures = 0
             self.opened[deployment] = self.opened.get(deployment, 0) + 1
 
-    def is_open(self, deployment: str) -> bool:
-        """The deployment is cooling down now (its breaker opened and has not yet let a probe
-        through)."""
-        state = self._states.get(deployment)
-        return state is not None and state.until > self._clock()
-
     def until_wall(self) -> dict[str, float]:
         """The end of each cooldown in progress, as Unix time (for `/admin/latency`)."""
         now, wall = self._clock(), time.time()
@@ -163,12 +157,12 @@ class RetryBudget:
         self.retries = 0  # failover attempts of those requests
         self.denied = 0
 
-    def acquire(self, *, away_from_open_breaker: bool = False) -> bool:
-        """Take a token for a failover after an error. `away_from_open_breaker`: this is the
-        request's first failover and the deployment it leaves is cooling down, so the failover
-        adds no load to it; that one is never refused (an outage's first seconds must not turn
-        into client errors while a healthy fallback exists)."""
-        if away_from_open_breaker or self.retries < max(self._floor, self._share * self.active):
+    def acquire(self, *, first: bool = False) -> bool:
+        """Take a token for a failover after an error. `first`: the request's first failover,
+        which goes to another deployment and so adds no load to the failing one; it is never
+        refused (an outage's first seconds must not turn into client errors while a healthy
+        fallback exists). The budget bounds the failovers after that."""
+        if first or self.retries < max(self._floor, self._share * self.active):
             self.retries += 1
             return True
         self.denied += 1

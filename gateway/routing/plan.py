@@ -37,6 +37,8 @@ SUCCESSOR_MARGIN = 1.1
 UNKNOWN_SHARE = 0.5
 """A successor whose TTFT is unknown is explored, as a hedge, once this share of the budget is
 gone."""
+BAND_EVIDENCE = 5
+"""Observations of a prompt-size band that count as evidence it is slower than the rest."""
 HEDGE_LEVEL: Literal["p90"] = "p90"
 """The successor's TTFT quantile a hedge is timed by: a hedge wins on the typical case."""
 
@@ -107,6 +109,12 @@ def ttft_for_size(stats: TargetStats, prompt_bytes: int, level: Level) -> float 
     if own is not None and own.ttft.trusted:
         value: float | None = getattr(own.ttft, level)
         return value
+    if own is not None and own.ttft.count >= BAND_EVIDENCE:
+        # Too few to trust that this size is fast, enough to believe it is slow: a few long
+        # prompts that all prefilled slowly outweigh a deployment-wide figure of short ones.
+        seen, whole = getattr(own.ttft, level), getattr(stats.ttft, level)
+        if seen is not None and (whole is None or seen > whole):
+            return float(seen)
     points: list[tuple[float, float]] = []
     for band in stats.bands.values():
         found = getattr(band.ttft, level) if band.ttft.trusted else None
@@ -294,7 +302,11 @@ def hedge_point(
         return explore_point(remaining_s, successor)
     need = typical * SUCCESSOR_MARGIN
     if need >= remaining_s:
-        return None
+        # A heavy-tailed successor's p90 may sit in its tail: its median may still land.
+        median = successor.ttft_quantile_s("p50")
+        if median is None or median * SUCCESSOR_MARGIN >= remaining_s:
+            return None
+        need = median * SUCCESSOR_MARGIN
     at = remaining_s - need
     p95, p99 = candidate.ttft_quantile_s("p95"), candidate.ttft_p99_s
     if p95 is not None and p99 is not None and p99 + need > remaining_s and p95 < at:
@@ -431,6 +443,8 @@ def with_exploration(chosen: Plan, found: Sequence[Candidate], due: Callable[[st
         return chosen
     if preferred.predicted_ttft_s is not None:
         return chosen  # its load is read from the server itself: exploring would only add to it
+    if preferred.recent is not None and preferred.recent.trusted:
+        return chosen  # it still gets traffic (other requests fit it): its samples are fresh
     if not due(preferred.id):
         return chosen
     rest = [c for c in chosen.candidates if c is not preferred]
