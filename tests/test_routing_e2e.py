@@ -312,7 +312,7 @@ async def test_a_first_failover_is_never_refused_by_the_retry_budget(
     """With no retry budget at all, a request's first failover still goes to the fallback (it
     adds no load to the failing deployment): a healthy fallback serves, and a failing one is
     answered as it is, after exactly one failover."""
-    budget = {"routing": {"retry_budget": {"percent": 0, "min_concurrent": 0}}}
+    budget: dict[str, Any] = {"routing": {"retry_budget": {"percent": 0, "min_concurrent": 0}}}
     healthy = routed(primary, fallback, "bad@error_500_rate=1", **budget)
     async with run_gateway(healthy) as gw:
         served = await client.post(gw.base_url + "/chat/completions", json={"model": "m", **CHAT})
