@@ -643,7 +643,8 @@ def _fetch_latency(url: str, timeout_s: float = 3.0, *, admin_key: str | None = 
 
 
 def _latency_tables(snapshot: dict[str, Any]) -> list[Table]:
-    """One table of deployments and one of model names, a row each."""
+    """One table of deployments and one of model names, a row each; then, for deployments whose
+    prompt sizes could be fitted, TTFT as base + slope x size."""
     tables = []
     for title, group in (("Deployments", "deployments"), ("Models", "models")):
         targets: dict[str, dict[str, Any]] = snapshot[group]
@@ -667,7 +668,32 @@ def _latency_tables(snapshot: dict[str, Any]) -> list[Table]:
                 "yes" if target["trusted"] else "no",
             )
         tables.append(table)
-    return tables
+    return [*tables, *_model_table(snapshot["deployments"])]
+
+
+def _model_table(deployments: dict[str, dict[str, Any]]) -> list[Table]:
+    """TTFT as a function of the prompt's size, per deployment with two trusted size bands."""
+    rows = []
+    for name, target in deployments.items():
+        fitted = target.get("ttft_model") or {}
+        cells = [
+            f"{line['base_ms']:.0f} ms + {line['ms_per_kib']:.2f} ms/KiB"
+            if (line := fitted.get(q))
+            else "-"
+            for q in ("p50", "p99")
+        ]
+        if cells != ["-", "-"]:
+            rows.append((escape(name), *cells))
+    if not rows:
+        return []
+    table = Table(
+        title="TTFT by prompt size (fitted)", title_justify="left", box=box.SIMPLE_HEAD, padding=0
+    )
+    for column in ("deployment", "p50", "p99"):
+        table.add_column(column, no_wrap=column != "deployment", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return [table]
 
 
 # Two header lines: the metric's name stands above its first percentile only.

@@ -146,11 +146,14 @@ def _load(raw: bytes) -> Any:
             "but what was sent was not valid JSON.)",
             code="invalid_json",
         ) from None
-    # One serialisation (C speed, a fraction of the parse) checks the depth and gives the
-    # body as parsed, to count its key-value pairs against those of the raw body.
+    # One serialisation (C speed, a fraction of the parse) gives the body as parsed, to count
+    # its key-value pairs against those of the raw body. Nested in `_WRAPPING` lists it also
+    # checks the depth; only a body with more brackets than the limit can be that deep, so
+    # the others (nearly all) skip building the wrapping.
     wrapped: Any = body
-    for _ in range(_WRAPPING):
-        wrapped = [wrapped]
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        for _ in range(_WRAPPING):
+            wrapped = [wrapped]
     try:
         parsed = orjson.dumps(wrapped)
     except orjson.JSONEncodeError:  # a parsed body can fail only on its depth

@@ -20,7 +20,7 @@ import pytest
 from gateway.sim.engine import SimEngine, SimProfile
 from gateway.sim.server import create_sim_app
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
-from tests.test_latency_e2e import count, poll_latency
+from tests.test_latency_e2e import count, poll_latency, tailguard
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 
@@ -455,6 +455,12 @@ async def test_short_and_long_prompts_are_judged_by_their_own_size(
         slow_prefill = "p/p@prefill_base_ms=20,prefill_ms_per_token=0.1"
         await poll_latency(client, gw.url, count("deployments", slow_prefill, n=6))
         routes = [await served(short), await served(long_), await served(short)]
+        fitted = (await client.get(gw.url + "/admin/latency")).json()["deployments"]
+        stats = await asyncio.to_thread(tailguard, "stats", "--url", gw.url)
+    # The fitted model: about 0.1 ms a token, so ~25 ms per KiB of "w " prompt (2 chars a token).
+    slope = fitted[slow_prefill]["ttft_model"]["p50"]["ms_per_kib"]
+    assert 10 < slope < 60, fitted[slow_prefill]["ttft_model"]
+    assert "TTFT by prompt size (fitted)" in stats.stdout and "ms/KiB" in stats.stdout
     assert routes == [
         "p/p@prefill_base_ms=20,prefill_ms_per_token=0.1",
         "f/f@prefill_base_ms=40,prefill_ms_per_token=0.01",
