@@ -474,7 +474,10 @@ def _plan(scope: Scope, call: Call, principal: Principal | None) -> Proxy:
     )
     snapshot = services.latency.snapshot
     services.latency.arrived(spec.name)  # caps on extra load are a share of client requests
-    found = candidates(services.chains[spec.name], services.providers, call, services.rng, snapshot)
+    explored = services.guards.explorer.latest()
+    found = candidates(
+        services.chains[spec.name], services.providers, call, services.rng, snapshot, explored
+    )
     call.priority = headers.priority or spec.priority
     if call.priority == "bulk" and not call.stream and call.endpoint in BATCHED_ENDPOINTS:
         # Bulk embeddings and completions go through their deployment's micro-batch queue.

@@ -587,6 +587,16 @@ def _snapshot(
             requests=counts.requests,
             errors=counts.errors,
             inflight=inflight.get(tag, 0),
+            bands=MappingProxyType(
+                {
+                    band: BandStats(
+                        MetricStats.of(found.sketch, recent_min),
+                        found.bytes / found.sketch.count,
+                    )
+                    for band, found in counts.bands.items()
+                    if found.sketch.count
+                }
+            ),
         )
     return Snapshot(
         window_s=window_s,

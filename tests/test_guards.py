@@ -10,9 +10,12 @@ from gateway.config import CooldownSpec, RetryBudgetSpec
 from gateway.errors import ProviderError, ProviderTimeoutError, RateLimitedError
 from gateway.latency import TTFT_DEADLINE, MetricStats, Snapshot, TargetStats
 from gateway.routing.guards import (
+    EXPLORED_FRESH_S,
+    EXPLORED_KEPT,
     HEDGE_FLOOR_REQUESTS,
     PROBE_WAIT_S,
     Cooldowns,
+    Explorer,
     HedgeBudget,
     RetryBudget,
 )
@@ -269,3 +272,21 @@ def test_a_refund_frees_the_slot_without_counting_it() -> None:
     assert hedges.acquire("m", 0.05, empty)
     hedges.release("m")
     assert not hedges.acquire("m", 0.05, empty)
+
+
+def test_explorations_count_once_the_latest_all_answered_recently() -> None:
+    """The explorer reports a deployment's latest explorations (their slowest TTFT) once it
+    has enough of them, all answered and all fresh; one that gave no first token resets that."""
+    clock = Clock()
+    explorer = Explorer(clock=clock)
+    for ttft in (0.1, 0.2, 0.15, 0.3):
+        explorer.observed(D, ttft)
+    assert D not in explorer.latest()  # four: not enough yet
+    explorer.observed(D, 0.25)
+    assert explorer.latest()[D] == pytest.approx(0.3)
+    explorer.observed(D, None)
+    assert D not in explorer.latest()
+    for _ in range(EXPLORED_KEPT):
+        explorer.observed(D, 0.2)
+    clock.now += EXPLORED_FRESH_S + 1
+    assert D not in explorer.latest()  # stale

@@ -526,3 +526,42 @@ def test_a_routed_away_deployment_is_explored_when_due() -> None:
     assert with_exploration(chosen, found, lambda _: False) is chosen
     loaded = [replace(found[0], predicted_ttft_s=3.0), found[1]]
     assert with_exploration(plan(loaded, call(), STRICT), loaded, lambda _: True).explore is False
+
+
+def test_explorations_that_all_answered_in_time_bring_a_deployment_back() -> None:
+    """A deployment routed away for a slow spell its window still holds leads again once its
+    latest explorations all answered within the budget (the slowest of them is what counts)."""
+    away = cand("a", metric(3000.0))
+    assert ids(plan([away, cand("b", FAST)], call(), STRICT).candidates) == ["b", "a"]
+    back = replace(away, explored_s=0.4)
+    assert ids(plan([back, cand("b", FAST)], call(), STRICT).candidates) == ["a", "b"]
+    still_slow = replace(away, explored_s=1.4)
+    assert ids(plan([still_slow, cand("b", FAST)], call(), STRICT).candidates) == ["b", "a"]
+
+
+def test_recent_samples_of_other_sizes_do_not_bring_a_size_back() -> None:
+    """Short prompts flowing to a primary prove nothing about the long ones it is routed away
+    for: its recent view counts for a prompt size only with recent samples of that size."""
+    window = sized((band_of(SHORT), SHORT, 120.0), (band_of(LONG), LONG, 900.0))
+    recent_short_only = sized((band_of(SHORT), SHORT, 120.0))
+    spec = DeploymentSpec(provider="p", model="a")
+    long_ = Candidate(
+        "m", spec, StubProvider(), window, prompt_bytes=LONG, recent=recent_short_only
+    )
+    budget = Budget(ttft_s=0.6, on_ttft_miss="none")
+    assert ids(plan([long_, cand("b", FAST)], call(), budget).candidates) == ["b", "a"]
+    short = replace(long_, prompt_bytes=SHORT)
+    assert ids(plan([short, cand("b", FAST)], call(), budget).candidates) == ["a", "b"]
+
+
+def test_a_few_cut_streams_show_a_deployment_cannot_finish_in_time() -> None:
+    """Before TTFT and TPOT are trusted, five streams whose typical pace puts the total over
+    budget are evidence enough: the deployment stops leading instead of being cut again."""
+    few = MetricStats(100.0, 110.0, 120.0, 130.0, 5, False)
+    slow_pace = MetricStats(40.0, 41.0, 42.0, 43.0, 5, False)
+    capable = Candidate(
+        "m", DeploymentSpec(provider="p", model="a"), StubProvider(), stats(few, slow_pace)
+    )
+    budget = Budget(total_s=8.0)
+    assert fits(capable, None, budget, call(max_tokens=400)) is False
+    assert fits(capable, None, budget, call(max_tokens=100)) is True

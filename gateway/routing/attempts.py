@@ -478,6 +478,9 @@ class _Race:
         opened.route = live.why
         opened.attempt = live.attempt
         opened.hedge_for = live.claims.rescue_for
+        first = opened.tally.first_token_at
+        if live.explore and first is not None:  # the explored one answered first
+            self.guards.explorer.observed(live.candidate.id, first - live.attempt.started)
         if live.attempt.hedge:
             self.guards.hedges.count(self.policy.model, "won")
         return opened
@@ -595,7 +598,9 @@ class _Race:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        explorer = self.guards.explorer
         if not done:
+            explorer.observed(live.candidate.id, None)
             self._close(live, HEDGE_LOST, wasted=True)
             return
         error = task.exception()
@@ -604,10 +609,12 @@ class _Race:
             first = opened.tally.first_token_at
             try:
                 ttft = None if first is None else first - started
+                explorer.observed(live.candidate.id, ttft)
                 self._close(live, HEDGE_LOST, wasted=True, ttft_s=ttft)
             finally:
                 await opened.stream.aclose()
         elif isinstance(error, ProviderError) and error.retryable:
+            explorer.observed(live.candidate.id, None)
             self.guards.cooldowns.failed(live.candidate.id, error)
             live.claims.verdict()
             self._close(live, f"error:{error.kind or 'error'}", error=error.kind or "error")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -234,13 +235,43 @@ EXPLORE_EVERY_S = 0.5
 model's cap on extra load)."""
 
 
+EXPLORED_KEPT = 5
+"""Explorations whose answers, all in time, show a routed-away deployment has recovered."""
+EXPLORED_FRESH_S = 10.0
+"""How long an exploration's answer counts."""
+
+
 class Explorer:
-    """Paces exploration of deployments that were routed away."""
+    """Paces exploration of deployments that were routed away, and remembers what the latest
+    explorations measured: once the last `EXPLORED_KEPT` all answered (recently), the slowest of
+    them says how the deployment does now, without waiting for its window to forget the spell
+    it was routed away for."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._next: dict[str, float] = {}
+        self._seen: dict[str, deque[tuple[float, float | None]]] = {}
         self.explored = 0
+
+    def observed(self, deployment: str, ttft_s: float | None) -> None:
+        """An exploration ended: its TTFT, or None when it gave no first token in time."""
+        seen = self._seen.get(deployment)
+        if seen is None:
+            seen = self._seen[deployment] = deque(maxlen=EXPLORED_KEPT)
+        seen.append((self._clock(), ttft_s))
+
+    def latest(self) -> Mapping[str, float]:
+        """Per deployment whose latest explorations are all fresh and answered, the slowest."""
+        if not self._seen:
+            return _NOTHING
+        oldest = self._clock() - EXPLORED_FRESH_S
+        found: dict[str, float] = {}
+        for deployment, seen in self._seen.items():
+            if len(seen) == EXPLORED_KEPT and seen[0][0] >= oldest:
+                times = [ttft for _, ttft in seen]
+                if all(ttft is not None for ttft in times):
+                    found[deployment] = max(t for t in times if t is not None)
+        return found
 
     def due(self, deployment: str) -> bool:
         """True at most once per `EXPLORE_EVERY_S` for each deployment."""

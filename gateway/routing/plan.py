@@ -58,6 +58,7 @@ class Candidate:
     queue: float | None = None
     prompt_bytes: int | None = None  # this request's body size: its TTFT is read for that size
     recent: TargetStats | None = None  # the last few seconds only (see `Snapshot.recent`)
+    explored_s: float | None = None  # the slowest TTFT of its latest explorations, if fresh
 
     @property
     def id(self) -> str:
@@ -206,14 +207,17 @@ def candidates(
     call: Call,
     rng: random.Random,
     snapshot: Snapshot | None = None,
+    explored: Mapping[str, float] | None = None,
 ) -> list[Candidate]:
     """The deployments of `chain` (the model, then its fallbacks: see `fallback_chain`), each
     model's in weighted order, each deployment once, skipping those that cannot serve the call.
+    `explored`: what recent explorations measured (see `Explorer.latest`).
 
     Raises InvalidRequestError when no configured deployment can serve this kind of call.
     """
     stats = snapshot.deployments if snapshot is not None else {}
     recent = snapshot.recent if snapshot is not None else {}
+    explored = explored or {}
     found: list[Candidate] = []
     seen: set[str] = set()
     for model in chain:
@@ -229,6 +233,7 @@ def candidates(
                         stats.get(deployment.id),
                         prompt_bytes=len(call.raw),
                         recent=recent.get(deployment.id),
+                        explored_s=explored.get(deployment.id),
                     )
                 )
     if not found:
@@ -366,6 +371,8 @@ def fits(
             verdicts.append(alone or rescued)
     if budget.total_s is not None:
         total = candidate.predicted_total_s(call.max_tokens)
+        if total is None:
+            total = _typical_total_s(candidate, call.max_tokens)
         if total is not None:
             verdicts.append(total <= budget.total_s)
     if budget.tpot_s is not None and call.stream:
@@ -426,9 +433,18 @@ def recovered(
     """Whether a candidate the window says does not fit fits on its last few seconds alone (with
     enough samples there to judge): it was routed away and is better now. The full window would
     hold the bad spell for its whole length; the recent view lets traffic return in seconds."""
+    explored = candidate.explored_s
+    if explored is not None and budget.ttft_s is not None and explored <= budget.ttft_s:
+        return True  # its latest explorations all answered within the budget
     recent = candidate.recent
     if recent is None or not recent.trusted:
         return False
+    if candidate.prompt_bytes is not None and recent.bands:
+        # Only what it showed for prompts of this size: short ones flowing to it prove
+        # nothing about long ones it is routed away for.
+        own = recent.bands.get(band_of(candidate.prompt_bytes))
+        if own is None or own.ttft.count < BAND_EVIDENCE:
+            return False
     return fits(replace(candidate, stats=recent, recent=None), successor, budget, call) is True
 
 
@@ -449,6 +465,22 @@ def with_exploration(chosen: Plan, found: Sequence[Candidate], due: Callable[[st
         return chosen
     rest = [c for c in chosen.candidates if c is not preferred]
     return Plan([preferred, *rest], chosen.route, chosen.ttft_rescue, explore=True)
+
+
+def _typical_total_s(candidate: Candidate, max_tokens: int | None) -> float | None:
+    """Before TTFT and TPOT are trusted: a total that even their medians put over budget is
+    evidence enough (a few streams cut by the budget all show the same pace), so a deployment
+    that cannot finish in time stops being tried after `BAND_EVIDENCE` streams, not
+    `min_samples`; None without that many."""
+    stats = candidate.stats
+    tokens = max_tokens or (stats.output_tokens if stats else None)
+    if stats is None or not tokens or stats.tpot.count < BAND_EVIDENCE:
+        return None
+    ttft, tpot = stats.ttft.p50, stats.tpot.p50
+    if ttft is None or tpot is None or math.isinf(ttft):
+        return None
+    typical = (ttft + tpot * max(0.0, tokens - 1)) / 1000.0
+    return typical if typical > 0 else None
 
 
 def _budget_lead(available: list[Candidate], index: int, budget: Budget, call: Call) -> Plan:
