@@ -272,7 +272,7 @@ class _Race:
         if self.ttft_end is None:
             return await self._run_in_order()
         if self.plan.explore and not self._explore():
-            # Not for a client's own retry: the chosen lead goes first.
+            # No room under the cap (or a client's own retry): the chosen lead goes first.
             explored, lead = self.queue.popleft(), self.queue.popleft()
             self.queue.extendleft((explored, lead))
         if not self.live and self._launch(self.plan.route) is None:
@@ -304,15 +304,23 @@ class _Race:
 
     def _explore(self) -> bool:
         """Start the explored candidate and, beside it at once, the one that would have served
-        (paced by the explorer, not under the rescue cap: it is learning, not a rescue); False
-        when nothing was started."""
-        if not self.policy.may_hedge or len(self.queue) < 2:
+        (extra upstream load like a rescue, so under the same cap); False when the cap has no
+        room, and nothing was started."""
+        policy = self.policy
+        if not policy.may_hedge or len(self.queue) < 2:
+            return False
+        if not self.guards.hedges.acquire(policy.model, policy.hedge_fraction, self.snapshot):
             return False
         self.hedged = True  # before the launches: neither gets a rescue timer
-        first = self._launch(self.plan.route)
-        if first is not None and first.candidate is self.plan.candidates[0]:
-            first.explore = True
-        self._launch("hedge")
+        beside = None
+        try:
+            first = self._launch(self.plan.route)
+            if first is not None and first.candidate is self.plan.candidates[0]:
+                first.explore = True
+            beside = self._launch("hedge", rescue_for=policy.model)
+        finally:
+            if beside is None:
+                self.guards.hedges.refund(policy.model)
         return True
 
     async def _run_in_order(self) -> Opened:
@@ -417,7 +425,8 @@ class _Race:
             return  # the budget is spent: rescuing now would only cascade through the list
         successor = self.queue[0]
         hedging = self._hedging()
-        wait = rescue_point(remaining, live.candidate, successor, hedge=hedging)
+        share = self.policy.hedge_fraction
+        wait = rescue_point(remaining, live.candidate, successor, hedge=hedging, share=share)
         if wait is None:
             return  # let it run: no rescue could land sooner
         # A failover to a successor nobody has measured is explored as a hedge instead: the

@@ -294,17 +294,26 @@ def explore_point(remaining_s: float, successor: Candidate | None) -> float | No
 
 
 def hedge_point(
-    remaining_s: float, candidate: Candidate, successor: Candidate | None
+    remaining_s: float,
+    candidate: Candidate,
+    successor: Candidate | None,
+    *,
+    early: Level = "p95",
 ) -> float | None:
     """When to start a hedge. A hedge wins on the successor's typical TTFT (its p90), not its
     tail, so it starts once what remains is just that (padded); earlier, at the candidate's own
-    p95, when the budget is tight (its p99 plus the successor would not fit). An unknown
-    successor is explored at `explore_point`; None when no hedge could land in time."""
+    `early` quantile (the share of requests the cap lets be hedged: p90 from 10%), when the
+    budget is tight (its p99 plus the successor would not fit). An unknown successor is
+    explored at `explore_point`; None when no hedge could land in time."""
     if successor is None:
         return None
     typical = successor.ttft_quantile_s(HEDGE_LEVEL)
     if typical is None:
-        return explore_point(remaining_s, successor)
+        at = explore_point(remaining_s, successor)
+        soon = candidate.ttft_quantile_s(early)
+        if at is not None and soon is not None and soon < at:
+            return soon  # the attempt is late by its own measure before half the budget
+        return at
     need = typical * SUCCESSOR_MARGIN
     if need >= remaining_s:
         # A heavy-tailed successor's p90 may sit in its tail: its median may still land.
@@ -313,9 +322,9 @@ def hedge_point(
             return None
         need = median * SUCCESSOR_MARGIN
     at = remaining_s - need
-    p95, p99 = candidate.ttft_quantile_s("p95"), candidate.ttft_p99_s
-    if p95 is not None and p99 is not None and p99 + need > remaining_s and p95 < at:
-        return p95
+    soon, p99 = candidate.ttft_quantile_s(early), candidate.ttft_p99_s
+    if soon is not None and p99 is not None and p99 + need > remaining_s and soon < at:
+        return soon
     return at
 
 
@@ -331,14 +340,20 @@ def lands_first(candidate: Candidate, wait_s: float, successor: Candidate) -> bo
 
 
 def rescue_point(
-    remaining_s: float, candidate: Candidate, successor: Candidate | None, *, hedge: bool
+    remaining_s: float,
+    candidate: Candidate,
+    successor: Candidate | None,
+    *,
+    hedge: bool,
+    share: float = 0.05,
 ) -> float | None:
     """When an attempt without a first token is rescued (by a hedge, or a failover that cuts
-    it); None when it is left to run."""
+    it); None when it is left to run. `share`: the rescue cap, as a share of requests."""
     if successor is None:
         return None
     if hedge:
-        return hedge_point(remaining_s, candidate, successor)
+        early: Level = "p90" if share >= 0.10 else "p95"
+        return hedge_point(remaining_s, candidate, successor, early=early)
     at = deadline(remaining_s, successor)
     if at is None:
         return explore_point(remaining_s, successor)
@@ -357,7 +372,9 @@ def fits(
             at = None
             if successor is not None and budget.on_ttft_miss != "none":
                 hedge = budget.on_ttft_miss == "hedge"
-                at = rescue_point(budget.ttft_s, candidate, successor, hedge=hedge)
+                at = rescue_point(
+                    budget.ttft_s, candidate, successor, hedge=hedge, share=budget.rescue_share
+                )
             rescuable = at is not None
             cut = at if at is not None else budget.ttft_s
             # A prediction is this request's own expected TTFT, not a tail: the attempt would be
