@@ -56,6 +56,7 @@ from gateway.latency import (
 )
 from gateway.models import ENDPOINT_WIRE, Call, Endpoint, Wire
 from gateway.openapi import build_openapi
+from gateway.prompt_size import uncached_bytes
 from gateway.providers.vllm import snapshot as vllm_snapshot
 from gateway.ratelimit import Verdict
 from gateway.routing import (
@@ -64,6 +65,7 @@ from gateway.routing import (
     Opened,
     Plan,
     Policy,
+    baseline_p50_ms,
     by_prediction,
     candidates,
     open_first,
@@ -578,7 +580,8 @@ def _predictions(
         if queue > 0:
             queue += max(0.0, services.latency.inflight(candidate.id) - load.running - queue)
         stats = candidate.stats
-        ttft_p50 = _finite_s(stats.ttft.p50) if stats else None
+        # The unloaded baseline: the deployment's typical TTFT for a prompt of this size.
+        ttft_p50 = _finite_s(baseline_p50_ms(stats, len(call.raw))) if stats else None
         if ttft_p50 is None and server is not None:
             ttft_p50 = server.recent_ttft_p50()
         total_p50 = _finite_s(stats.total.p50) if stats else None
@@ -1003,7 +1006,9 @@ class Proxy:
                 output_tokens=tally.output_tokens,
                 hedge_for=opened.hedge_for,
                 endpoint=self._call.endpoint,
-                prompt_bytes=len(self._call.raw),
+                prompt_bytes=uncached_bytes(
+                    len(self._call.raw), tally.usage.input_tokens, tally.usage.cached_tokens
+                ),
             )
         )
 
@@ -1137,7 +1142,9 @@ class Proxy:
                 error=error,
                 hedge_for=opened.hedge_for,
                 endpoint=self._call.endpoint,
-                prompt_bytes=len(self._call.raw),
+                prompt_bytes=uncached_bytes(
+                    len(self._call.raw), tally.usage.input_tokens, tally.usage.cached_tokens
+                ),
                 total_over_s=total_over,
             )
         )

@@ -35,6 +35,7 @@ class Usage:
 
     input_tokens: int | None = None
     output_tokens: int | None = None
+    cached_tokens: int | None = None  # of the input tokens, read from the upstream's prompt cache
 
 
 @dataclass(slots=True)

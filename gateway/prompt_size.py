@@ -5,6 +5,8 @@ distributions, one per prompt size. The gateway measures size by what it already
 request body's bytes (about four per token in English text; no tokenizer on the hot path), and
 groups requests into bands that double in size: band 0 holds bodies under 2 KiB (~500 tokens),
 band `b` bodies of 2^b to 2^(b+1) KiB, and the last band everything from 128 KiB (~32k tokens).
+An observation whose upstream reported prompt-cache reads counts at its uncached size: cached
+tokens are not prefilled, so they would make a long prompt look fast for its length.
 """
 
 from __future__ import annotations
@@ -46,3 +48,11 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float] | Non
         return None
     slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread)
     return max(0.0, mean_y - slope * mean_x), slope
+
+
+def uncached_bytes(prompt_bytes: int, input_tokens: int | None, cached: int | None) -> int:
+    """The share of a body's bytes the upstream had to prefill: all of them, less the share of
+    its prompt tokens it reported reading from its prompt cache (which cost no prefill)."""
+    if not input_tokens or not cached or cached <= 0:
+        return prompt_bytes
+    return round(prompt_bytes * max(0, input_tokens - min(cached, input_tokens)) / input_tokens)

@@ -17,6 +17,7 @@ from gateway.providers.base import StreamLimits, UpstreamStream
 from gateway.routing.plan import (
     Budget,
     Candidate,
+    baseline_p50_ms,
     candidates,
     deadline,
     explore_point,
@@ -339,8 +340,10 @@ def test_hedge_point_without_a_successor_is_none() -> None:
 
 
 def test_hedge_point_with_an_unknown_successor_explores_at_half() -> None:
-    """An unknown successor is explored once half of what remains is gone."""
-    assert hedge_point(2.0, cand("a", metric(1900.0, p95=400.0)), cand("b")) == pytest.approx(1.0)
+    """An unknown successor is explored once half of what remains is gone, or sooner once the
+    attempt is late by its own measure (its p95 here)."""
+    assert hedge_point(2.0, cand("a", metric(1900.0)), cand("b")) == pytest.approx(1.0)
+    assert hedge_point(2.0, cand("a", metric(1900.0, p95=400.0)), cand("b")) == pytest.approx(0.4)
 
 
 def test_a_heavy_tailed_successor_is_hedged_with_on_its_median() -> None:
@@ -565,3 +568,13 @@ def test_a_few_cut_streams_show_a_deployment_cannot_finish_in_time() -> None:
     budget = Budget(total_s=8.0)
     assert fits(capable, None, budget, call(max_tokens=400)) is False
     assert fits(capable, None, budget, call(max_tokens=100)) is True
+
+
+def test_a_queue_prediction_starts_from_the_typical_ttft_for_this_size() -> None:
+    """The vLLM queue predictor adds the queue to the deployment's typical TTFT for a prompt of
+    this size: its band's median once the band has a few observations (trusted or not), else
+    the deployment-wide median."""
+    window = sized((band_of(SHORT), SHORT, 120.0), (band_of(LONG), LONG, 900.0))
+    assert baseline_p50_ms(window, SHORT) == pytest.approx(60.0)  # metric(): p50 = p90 / 2
+    assert baseline_p50_ms(window, LONG) == pytest.approx(450.0)
+    assert baseline_p50_ms(stats(metric(300.0)), LONG) == pytest.approx(150.0)

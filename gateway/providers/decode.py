@@ -74,7 +74,9 @@ def _str(value: object) -> str | None:
 def _openai_usage(usage: object) -> Usage:
     if not isinstance(usage, dict):
         return Usage()  # not an object: no counts, the answer itself stands
-    return Usage(count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")))
+    details = usage.get("prompt_tokens_details")
+    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")), cached)
 
 
 def _error_from_fields(fields: dict[str, Any], default_message: str) -> InBandError:
@@ -309,6 +311,11 @@ def _anthropic_error_fields(error: dict[str, Any]) -> InBandError:
     )
 
 
+def anthropic_cached_tokens(usage: object) -> int | None:
+    """The prompt tokens Anthropic read from its cache (`cache_read_input_tokens`)."""
+    return count(usage.get("cache_read_input_tokens")) if isinstance(usage, dict) else None
+
+
 def anthropic_input_tokens(usage: object) -> int | None:
     """All prompt tokens: Anthropic counts cache reads and writes apart from `input_tokens`."""
     if not isinstance(usage, dict):
@@ -327,10 +334,11 @@ class AnthropicStreamDecoder:
     and writes (what `prompt_tokens` means on the OpenAI wire).
     """
 
-    __slots__ = ("_input_tokens",)
+    __slots__ = ("_cached_tokens", "_input_tokens")
 
     def __init__(self) -> None:
         self._input_tokens: int | None = None
+        self._cached_tokens: int | None = None
 
     def decode(self, event: SSEEvent) -> Chunk:
         """One chunk per event; raises UpstreamProtocolError for data that is not a JSON object."""
@@ -361,6 +369,7 @@ class AnthropicStreamDecoder:
             usage = obj["message"].get("usage")
             if usage:
                 self._input_tokens = anthropic_input_tokens(usage)
+                self._cached_tokens = anthropic_cached_tokens(usage)
             return Chunk(raw=raw, data=obj)
         if kind == "message_delta":
             usage = obj.get("usage")
@@ -369,11 +378,14 @@ class AnthropicStreamDecoder:
             input_tokens = anthropic_input_tokens(usage)
             if input_tokens is not None:
                 self._input_tokens = input_tokens
+                self._cached_tokens = anthropic_cached_tokens(usage)
             return Chunk(
                 raw=raw,
                 data=obj,
                 finish_reason=obj["delta"].get("stop_reason"),
-                usage=Usage(self._input_tokens, count(usage.get("output_tokens"))),
+                usage=Usage(
+                    self._input_tokens, count(usage.get("output_tokens")), self._cached_tokens
+                ),
             )
         if kind == "message_stop":
             return Chunk(raw=raw, data=obj, done=True)
@@ -410,7 +422,9 @@ def decode_anthropic_body(body: bytes) -> Chunk:
             usage = None
             if isinstance(usage_fields, dict) and usage_fields:
                 usage = Usage(
-                    anthropic_input_tokens(usage_fields), count(usage_fields.get("output_tokens"))
+                    anthropic_input_tokens(usage_fields),
+                    count(usage_fields.get("output_tokens")),
+                    anthropic_cached_tokens(usage_fields),
                 )
             known = usage.output_tokens if usage is not None else None
             return Chunk(

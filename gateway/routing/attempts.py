@@ -96,6 +96,8 @@ class Tally:
                 self.usage.input_tokens = chunk.usage.input_tokens
             if chunk.usage.output_tokens is not None:
                 self.usage.output_tokens = chunk.usage.output_tokens
+            if chunk.usage.cached_tokens is not None:
+                self.usage.cached_tokens = chunk.usage.cached_tokens
         if chunk.finish_reason is not None and len(self.finish_reasons) < MAX_FINISH_REASONS:
             self.finish_reasons.append(chunk.finish_reason)  # one per choice; bounded whatever
 

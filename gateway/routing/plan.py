@@ -135,6 +135,17 @@ def ttft_for_size(stats: TargetStats, prompt_bytes: int, level: Level) -> float 
     return None
 
 
+def baseline_p50_ms(stats: TargetStats, prompt_bytes: int) -> float | None:
+    """A deployment's typical TTFT (ms) for a prompt of this size, trusted or not: its band's
+    median when the band has a few observations, else the size-aware estimate, else the
+    deployment-wide median. What a queue-based prediction adds the queue to."""
+    own = stats.bands.get(band_of(prompt_bytes))
+    if own is not None and own.ttft.count >= BAND_EVIDENCE and own.ttft.p50 is not None:
+        return own.ttft.p50
+    sized = ttft_for_size(stats, prompt_bytes, "p50") if stats.bands else None
+    return sized if sized is not None else stats.ttft.p50
+
+
 def _trusted(stats: MetricStats | None, level: Level, prior_s: float | None) -> float | None:
     if stats is not None and stats.trusted:
         value: float | None = getattr(stats, level)
