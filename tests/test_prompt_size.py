@@ -72,5 +72,5 @@ def test_cached_tokens_are_read_from_both_wires() -> None:
     }
     for event in (start, delta):
         data = orjson.dumps(event)
-        chunk = decoder.decode(SSEEvent(event=str(event["type"]), data=data.decode(), raw=data))
+        chunk = decoder.decode(SSEEvent(event=str(event["type"]), data=data, raw=data))
     assert chunk.usage is not None and chunk.usage.cached_tokens == 800
