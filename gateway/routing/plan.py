@@ -313,7 +313,7 @@ def hedge_point(
 ) -> float | None:
     """When to start a hedge. A hedge wins on the successor's typical TTFT (its p90), not its
     tail, so it starts once what remains is just that (padded); earlier, at the candidate's own
-    `early` quantile (the share of requests the cap lets be hedged: p90 from 10%), when the
+    `early` quantile (p90 when the cap allows 20% of requests, else p95), when the
     budget is tight (its p99 plus the successor would not fit). An unknown successor is
     explored at `explore_point`; None when no hedge could land in time."""
     if successor is None:
@@ -363,7 +363,9 @@ def rescue_point(
     if successor is None:
         return None
     if hedge:
-        early: Level = "p90" if share >= 0.10 else "p95"
+        # Hedging from the attempt's p90 would spend a 10% cap on fast requests as well as on
+        # the slow ones it exists for: p90 only when the cap leaves room for both.
+        early: Level = "p90" if share >= 0.20 else "p95"
         return hedge_point(remaining_s, candidate, successor, early=early)
     at = deadline(remaining_s, successor)
     if at is None:
