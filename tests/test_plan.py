@@ -578,3 +578,15 @@ def test_a_queue_prediction_starts_from_the_typical_ttft_for_this_size() -> None
     assert baseline_p50_ms(window, SHORT) == pytest.approx(60.0)  # metric(): p50 = p90 / 2
     assert baseline_p50_ms(window, LONG) == pytest.approx(450.0)
     assert baseline_p50_ms(stats(metric(300.0)), LONG) == pytest.approx(150.0)
+
+
+def test_a_rescued_tail_does_not_count_against_the_total_budget() -> None:
+    """A primary whose slow first tokens are all rescued has a TTFT tail beyond every cut, yet
+    its first token comes within the TTFT budget (alone or rescued): its total is predicted
+    from that, so a total budget does not send it away for a tail its rescues remove."""
+    stalling = MetricStats(75.0, 150.0, math.inf, math.inf, 100, True)
+    primary = cand("a", stalling, tpot=metric(20.0))
+    budget = Budget(ttft_s=0.6, total_s=10.0, on_ttft_miss="hedge", rescue_share=0.10)
+    assert fits(primary, cand("b", FAST), budget, call(max_tokens=100)) is True
+    alone = Budget(ttft_s=0.6, total_s=10.0, on_ttft_miss="none")
+    assert fits(primary, cand("b", FAST), alone, call(max_tokens=100)) is False

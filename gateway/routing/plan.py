@@ -82,11 +82,17 @@ class Candidate:
                 return sized / 1000.0
         return _trusted(stats.ttft if stats else None, level, self._prior("ttft_ms"))
 
-    def predicted_total_s(self, max_tokens: int | None) -> float | None:
+    def predicted_total_s(
+        self, max_tokens: int | None, *, ttft_at_most_s: float | None = None
+    ) -> float | None:
         """p99 TTFT + p99 TPOT * expected output tokens (`max_tokens`, or the observed mean
-        length); the observed p99 total when the parts are unknown (a non-streaming deployment)."""
+        length); the observed p99 total when the parts are unknown (a non-streaming deployment).
+        `ttft_at_most_s`: the first token is known to come by then (its misses are rescued
+        within the TTFT budget), whatever the deployment's own tail."""
         stats = self.stats
         ttft = self.ttft_p99_s
+        if ttft is not None and ttft_at_most_s is not None:
+            ttft = min(ttft, ttft_at_most_s)
         tpot = _trusted(stats.tpot if stats else None, "p99", self._prior("tpot_ms"))
         tokens = max_tokens or (stats.output_tokens if stats else None)
         if ttft is not None and tpot is not None and tokens:
@@ -379,6 +385,7 @@ def fits(
     """Whether `candidate` can meet the budget (with `successor` to rescue its misses);
     None when there is nothing to judge it by yet."""
     verdicts: list[bool] = []
+    first_by: float | None = None  # the first token comes by then (alone or rescued)
     if budget.ttft_s is not None and call.stream:
         p99 = candidate.ttft_p99_s
         if p99 is not None:
@@ -399,8 +406,10 @@ def fits(
                 # Rescued only if the successor, started at the deadline, can still land in time.
                 rescued = late is not None and late <= cut < budget.ttft_s
             verdicts.append(alone or rescued)
+            if alone or rescued:
+                first_by = budget.ttft_s
     if budget.total_s is not None:
-        total = candidate.predicted_total_s(call.max_tokens)
+        total = candidate.predicted_total_s(call.max_tokens, ttft_at_most_s=first_by)
         if total is None:
             total = _typical_total_s(candidate, call.max_tokens)
         if total is not None:
