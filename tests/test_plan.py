@@ -590,3 +590,13 @@ def test_a_rescued_tail_does_not_count_against_the_total_budget() -> None:
     assert fits(primary, cand("b", FAST), budget, call(max_tokens=100)) is True
     alone = Budget(ttft_s=0.6, total_s=10.0, on_ttft_miss="none")
     assert fits(primary, cand("b", FAST), alone, call(max_tokens=100)) is False
+
+
+def test_a_successor_known_by_its_prior_is_hedged_to_without_exploring() -> None:
+    """A successor with only a configured prior (a p99) is not unknown: the hedge is timed by
+    that prior, on the slow side, instead of exploring at half the budget."""
+    backup = cand("b", prior=PriorSpec(ttft_ms=330.0))
+    assert explore_point(0.6, backup) is None
+    assert hedge_point(0.6, cand("a", metric(3000.0, p95=2500.0, p90=160.0)), backup) == (
+        pytest.approx(0.6 - 0.363)
+    )

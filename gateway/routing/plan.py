@@ -305,9 +305,16 @@ def deadline(remaining_s: float, successor: Candidate | None) -> float | None:
 def explore_point(remaining_s: float, successor: Candidate | None) -> float | None:
     """When to start a successor nobody has measured yet, as a hedge (the attempt keeps
     running, so exploring costs the client nothing): once this share of the budget is gone."""
-    if successor is None or successor.ttft_quantile_s(HEDGE_LEVEL) is not None:
+    if successor is None or _typical_s(successor) is not None:
         return None
     return remaining_s * UNKNOWN_SHARE
+
+
+def _typical_s(candidate: Candidate) -> float | None:
+    """What a hedge can count on from `candidate`: its p90 TTFT, else its p99 or the configured
+    prior (a stand-in on the slow side), else unknown."""
+    typical = candidate.ttft_quantile_s(HEDGE_LEVEL)
+    return typical if typical is not None else candidate.ttft_p99_s
 
 
 def hedge_point(
@@ -324,7 +331,7 @@ def hedge_point(
     explored at `explore_point`; None when no hedge could land in time."""
     if successor is None:
         return None
-    typical = successor.ttft_quantile_s(HEDGE_LEVEL)
+    typical = _typical_s(successor)
     if typical is None:
         at = explore_point(remaining_s, successor)
         soon = candidate.ttft_quantile_s(early)
