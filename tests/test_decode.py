@@ -228,7 +228,7 @@ def test_openai_chat_body() -> None:
     )
     chunk = decode_openai_body(body)
     assert (chunk.raw, chunk.content, chunk.tokens, chunk.finish_reason) == (body, True, 10, "stop")
-    assert chunk.usage == Usage(input_tokens=19, output_tokens=10)
+    assert chunk.usage == Usage(input_tokens=19, output_tokens=10, cached_tokens=0)
     assert chunk.data is not None and chunk.data["id"] == "chatcmpl-B9M"
 
 
@@ -424,7 +424,7 @@ def test_anthropic_stream_is_classified_event_by_event() -> None:
     assert (empty.content, empty.tokens) == (False, 0)
     assert stop_block.content is False
     assert delta.finish_reason == "end_turn"
-    assert delta.usage == Usage(input_tokens=35, output_tokens=15)  # cache reads included
+    assert delta.usage == Usage(input_tokens=35, output_tokens=15, cached_tokens=10)  # included
     assert (stop.done, stop.content) == (True, False)
     assert b"".join(
         chunk.raw for chunk in (start, block, ping, hello, empty, stop_block, delta, stop)
@@ -486,7 +486,7 @@ def test_anthropic_message_delta_input_tokens_win() -> None:
         b'"usage":{"input_tokens":14,"cache_read_input_tokens":2,"output_tokens":64}}\n\n'
     )
     _, delta = anthropic_events(stream)
-    assert (delta.finish_reason, delta.usage) == ("max_tokens", Usage(16, 64))
+    assert (delta.finish_reason, delta.usage) == ("max_tokens", Usage(16, 64, cached_tokens=2))
 
 
 def test_anthropic_stream_garbage_raises() -> None:
@@ -519,7 +519,7 @@ def test_anthropic_message_body() -> None:
         6,
         "end_turn",
     )
-    assert chunk.usage == Usage(input_tokens=112, output_tokens=6)
+    assert chunk.usage == Usage(input_tokens=112, output_tokens=6, cached_tokens=0)
 
 
 def test_anthropic_tool_use_body_is_content() -> None:
