@@ -274,9 +274,7 @@ class _Race:
         if self.ttft_end is None:
             return await self._run_in_order()
         if self.plan.explore and not self._explore():
-            # No room under the cap (or a client's own retry): the chosen lead goes first.
-            explored, lead = self.queue.popleft(), self.queue.popleft()
-            self.queue.extendleft((explored, lead))
+            self._lead_first()  # no room under the cap (or a client's own retry)
         if not self.live and self._launch(self.plan.route) is None:
             raise self._nothing_left()
         while True:
@@ -304,6 +302,11 @@ class _Race:
             if not self.live and not self._failover(failed):
                 raise self._nothing_left()
 
+    def _lead_first(self) -> None:
+        """Not exploring after all: the chosen lead goes before the explored candidate."""
+        explored, lead = self.queue.popleft(), self.queue.popleft()
+        self.queue.extendleft((explored, lead))
+
     def _explore(self) -> bool:
         """Start the explored candidate and, beside it at once, the one that would have served
         (extra upstream load like a rescue, so under the same cap); False when the cap has no
@@ -329,9 +332,8 @@ class _Race:
         """Without a first-token deadline nothing races: the attempts run one after another,
         inline, which spares the common path a task per request."""
         why = self.plan.route
-        if self.plan.explore:  # nothing to start beside it inline: no exploring here
-            explored, lead = self.queue.popleft(), self.queue.popleft()
-            self.queue.extendleft((explored, lead))
+        if self.plan.explore:
+            self._lead_first()  # nothing to start beside it inline: no exploring here
         while True:
             found = self._next(why)
             if found is None:

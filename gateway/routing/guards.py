@@ -251,7 +251,6 @@ class Explorer:
         self._clock = clock
         self._next: dict[str, float] = {}
         self._seen: dict[str, deque[tuple[float, float | None]]] = {}
-        self.explored = 0
 
     def observed(self, deployment: str, ttft_s: float | None) -> None:
         """An exploration ended: its TTFT, or None when it gave no first token in time."""
@@ -279,7 +278,6 @@ class Explorer:
         if now < self._next.get(deployment, 0.0):
             return False
         self._next[deployment] = now + EXPLORE_EVERY_S
-        self.explored += 1
         return True
 
 
