@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test check format bench install clean
+.PHONY: run test check format bench docs docs-serve install clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -21,10 +21,12 @@ run: $(STAMP)  ## start the gateway on config/gateway.yaml (simulated models, no
 test: $(STAMP)  ## the whole suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-check: $(STAMP)  ## format, lint, types
+check: $(STAMP)  ## format, lint, types, and the docs (generated pages current, strict build)
 	$(BIN)/ruff format --check gateway tests bench
 	$(BIN)/ruff check gateway tests bench
 	$(BIN)/mypy
+	$(BIN)/python -m gateway.cli.reference --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 format: $(STAMP)
 	$(BIN)/ruff format gateway tests bench
@@ -33,5 +35,12 @@ format: $(STAMP)
 bench: $(STAMP)  ## gateway overhead against direct-to-upstream
 	$(BIN)/python bench/overhead.py $(ARGS)
 
+docs: $(STAMP)  ## regenerate docs/reference/, then build the site into site/
+	$(BIN)/python -m gateway.cli.reference
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)  ## the docs on http://127.0.0.1:8000, rebuilt on every change
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build site *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from gateway.tools.stack import Stack, serve
+
 try:  # `python -m bench.overhead` or `python bench/overhead.py`
-    from bench._harness import ROOT, VENV_BIN, Stack, serve
+    from bench._harness import ROOT, VENV_BIN
 except ImportError:
-    from _harness import ROOT, VENV_BIN, Stack, serve  # type: ignore[no-redef,unused-ignore,import-not-found]
+    from _harness import ROOT, VENV_BIN  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 LITELLM_VENV: Final = ROOT / "bench" / ".venvs" / "litellm"
 LITELLM_REQUIREMENT: Final = "litellm[proxy]"

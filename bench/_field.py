@@ -52,26 +52,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from gateway.tools.stack import Stack, free_port, proc_cpu_s
+
 try:  # `python -m bench.overhead` or `python bench/overhead.py`
     from bench import _contenders as contenders
     from bench import _profile as profiling
-    from bench._harness import VENV_BIN, Stack, environment, free_port, sigterm_as_interrupt
-    from bench._load import LoadSpec, proc_cpu_s, run_load
+    from bench._harness import ROOT, VENV_BIN, environment, sigterm_as_interrupt
+    from bench._load import LoadSpec, run_load
 except ImportError:
     import _contenders as contenders  # type: ignore[no-redef,unused-ignore,import-not-found]
     import _profile as profiling  # type: ignore[no-redef,unused-ignore,import-not-found]
     from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
+        ROOT,
         VENV_BIN,
-        Stack,
         environment,
-        free_port,
         sigterm_as_interrupt,
     )
-    from _load import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        LoadSpec,
-        proc_cpu_s,
-        run_load,
-    )
+    from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 MODEL: Final = "bench"
 PACED_MODEL: Final = "bench-paced"
@@ -546,10 +543,7 @@ def admin_views(port: int, attempts: int = 24) -> list[dict[str, Any]]:
 
 
 def _cpu_s(pid: int) -> float:
-    try:
-        return proc_cpu_s(pid)
-    except OSError:  # the process is gone: it used nothing more
-        return 0.0
+    return proc_cpu_s(pid) or 0.0  # None: the process is gone, it used nothing more
 
 
 def stop(stack: Stack, child: subprocess.Popen[bytes]) -> None:
@@ -751,7 +745,7 @@ def run(opts: FieldOptions) -> int:
         print(f"warning: {warning}", file=sys.stderr)
         notes.append(warning)
     with _logs(opts.keep_logs) as logs:
-        stack = Stack(logs=logs, pin=pin)
+        stack = Stack(logs=logs, pin=pin, cwd=ROOT)
         try:
             with sigterm_as_interrupt():
                 return _run(opts, stack, notes, litellm, nginx)
@@ -762,7 +756,7 @@ def run(opts: FieldOptions) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         finally:
-            stack.stop_all()
+            stack.stop()
 
 
 def _run(

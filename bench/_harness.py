@@ -1,8 +1,8 @@
-"""What the benchmark scripts share: their child processes, CPU pinning, summaries and results.
+"""What the benchmark scripts share besides `gateway.tools`: CPU pinning, summaries and results.
 
-Every script starts real processes (`tailguard sim`, `tailguard serve`), waits until they answer,
-pins them with `taskset` and writes a JSON document; one copy of that keeps the scripts measuring
-the same way. Nothing here measures: each script keeps its own client and its own figures.
+Every script starts real processes (`tailguard sim`, `tailguard serve`) with a
+`gateway.tools.stack.Stack` started in the repository's root (`ROOT`), pins them with `taskset`
+and writes a JSON document; one copy of that keeps the scripts measuring the same way.
 """
 
 from __future__ import annotations
@@ -14,14 +14,9 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,126 +27,9 @@ from gateway.sketch import nearest_rank
 ROOT: Final = Path(__file__).resolve().parent.parent
 VENV_BIN: Final = Path(sys.executable).parent
 RESULTS_DIR: Final = ROOT / "bench" / "results"
-READY_TIMEOUT_S: Final = 30.0
 
 
-# --- processes -----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Stack:
-    """The processes of one run, and where their logs go; stopped in reverse order."""
-
-    logs: Path
-    pin: dict[str, list[str]]  # role -> taskset prefix (no entry: unpinned)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    roles: dict[int, str] = field(default_factory=dict)  # pid -> role, to name one that died
-
-    def start(
-        self,
-        role: str,
-        command: Sequence[str],
-        log_name: str,
-        env: Mapping[str, str] | None = None,
-    ) -> subprocess.Popen[bytes]:
-        """Start `command` pinned for `role`; `env` replaces the inherited environment."""
-        log = open(self.logs / log_name, "wb")  # noqa: SIM115 - the child owns it until the end
-        try:
-            child = subprocess.Popen(
-                [*self.pin.get(role, []), *command],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=ROOT,
-                env=None if env is None else dict(env),
-                start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
-            )
-        finally:
-            log.close()
-        self.procs.append(child)
-        self.roles[child.pid] = role
-        return child
-
-    def start_ready(
-        self,
-        role: str,
-        command: Sequence[str],
-        log_name: str,
-        url: str,
-        env: Mapping[str, str] | None = None,
-    ) -> subprocess.Popen[bytes]:
-        """`start`, then wait until `url` answers 200 (the process is of no use before)."""
-        child = self.start(role, command, log_name, env)
-        wait_ready(url, child, self.logs / log_name)
-        return child
-
-    def stop_all(self) -> None:
-        for child in reversed(self.procs):
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for child in reversed(self.procs):
-            try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-        self.procs.clear()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def log_tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def wait_ready(url: str, child: subprocess.Popen[bytes], log: Path) -> None:
-    """Poll `url` until it answers 200; fail with the log's tail if the process exits first."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if child.poll() is not None:
-            raise RuntimeError(f"{url}: the process exited ({child.returncode}):\n{log_tail(log)}")
-        with (
-            contextlib.suppress(OSError, urllib.error.URLError),
-            urllib.request.urlopen(url, timeout=1) as response,
-        ):
-            if response.status == 200:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"{url}: not ready after {READY_TIMEOUT_S:.0f} s:\n{log_tail(log)}")
-
-
-def start_gateway(stack: Stack, port: int, config: dict[str, Any]) -> subprocess.Popen[bytes]:
-    """`tailguard serve` on `config` (written as JSON, which is YAML), once it is healthy."""
-    path = stack.logs / "gateway.yaml"
-    path.write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML
-    return serve(stack, port, path)
-
-
-def serve(
-    stack: Stack,
-    port: int,
-    config_path: Path,
-    *,
-    workers: int = 1,
-    env: Mapping[str, str] | None = None,
-    role: str = "gateway",
-    log_name: str = "gateway.log",
-) -> subprocess.Popen[bytes]:
-    """`tailguard serve --config config_path`, once `/healthz` answers."""
-    command = [str(VENV_BIN / "tailguard"), "serve", "--config", str(config_path)]
-    command += ["--port", str(port), "--log-level", "warning"]
-    if workers != 1:
-        command += ["--workers", str(workers)]
-    return stack.start_ready(role, command, log_name, f"http://127.0.0.1:{port}/healthz", env)
+# --- pinning -------------------------------------------------------------------------------------
 
 
 def pinning() -> tuple[dict[str, list[str]], str | None]:

@@ -33,7 +33,10 @@ PARTS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
         "telemetry (spans, metrics, export)",
         ("gateway/telemetry/", "opentelemetry/", "gateway/semconv.py"),
     ),
-    ("latency store (record, flush)", ("gateway/latency.py", "gateway/sketch.py", "redis/")),
+    (
+        "latency store (record, flush)",
+        ("gateway/latency/", "gateway/redis.py", "gateway/sketch.py", "redis/"),
+    ),
     ("routing (plan, guards, attempts)", ("gateway/routing/",)),
     ("auth and rate limits", ("gateway/auth.py", "gateway/ratelimit.py")),
     ("upstream adapter (request, decode)", ("gateway/providers/",)),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -24,22 +23,27 @@ from typing import Any, Final
 
 import aiohttp
 
+from gateway.tools.load import run_async
+from gateway.tools.stack import Stack, free_port, serve
+
 try:  # `python -m bench.scenarios` or `python bench/scenarios.py`
-    from bench._harness import Stack, free_port, serve, stream_chat_body
-    from bench._upstream import BEHAVIOUR_PATH, REQUEST_ID_PREFIX, STATS_PATH, prompt_tokens
-    from bench.tail import KEEPALIVE_S, Outcome, get_json, one_request, percentiles_ms, run_async
-except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        Stack,
-        free_port,
-        serve,
-        stream_chat_body,
+    from bench._harness import stream_chat_body
+    from bench._upstream import (
+        BEHAVIOUR_PATH,
+        REQUEST_ID_PREFIX,
+        STATS_PATH,
+        prompt_tokens,
+        start_upstream,
     )
+    from bench.tail import KEEPALIVE_S, Outcome, get_json, one_request, percentiles_ms
+except ImportError:
+    from _harness import stream_chat_body  # type: ignore[no-redef,unused-ignore,import-not-found]
     from _upstream import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         BEHAVIOUR_PATH,
         REQUEST_ID_PREFIX,
         STATS_PATH,
         prompt_tokens,
+        start_upstream,
     )
     from tail import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         KEEPALIVE_S,
@@ -47,7 +51,6 @@ except ImportError:
         get_json,
         one_request,
         percentiles_ms,
-        run_async,
     )
 
 ROOT: Final = Path(__file__).resolve().parent.parent
@@ -142,15 +145,7 @@ def schedule(scenario: Scenario, timing: Timing, seed: int) -> list[Planned]:
     return planned
 
 
-# --- processes -----------------------------------------------------------------------------------
-
-
-def start_upstream(
-    stack: Stack, name: str, port: int, behaviours: dict[str, dict[str, Any]], seed: int
-) -> None:
-    command = [sys.executable, "-m", "bench._upstream", "--port", str(port), "--seed", str(seed)]
-    command += ["--behaviours", json.dumps(behaviours), "--initial", next(iter(behaviours))]
-    stack.start_ready("upstream", command, f"{name}.log", f"http://127.0.0.1:{port}/health")
+# --- the gateway ---------------------------------------------------------------------------------
 
 
 def gateway_config(
@@ -253,7 +248,7 @@ def run_variant(
     redis_url: str | None,
 ) -> dict[str, Any]:
     """Fresh upstreams and gateway(s), one client run, the figures (see `summarize`)."""
-    stack = Stack(logs=logs, pin=pin)
+    stack = Stack(logs=logs, pin=pin, cwd=ROOT)  # the upstreams run as `-m bench._upstream`
     planned = schedule(scenario, timing, seed)
     try:
         ports = {name: free_port() for name in UPSTREAMS}
@@ -277,7 +272,7 @@ def run_variant(
         upstream = {n: get_json(f"http://127.0.0.1:{ports[n]}{STATS_PATH}") for n in UPSTREAMS}
         views = [get_json(url + "/admin/latency") for url in gateways]
     finally:
-        stack.stop_all()
+        stack.stop()
     result = summarize(scenario, timing, planned, outcomes, upstream)
     result |= {"variant": variant.name, "wall_s": round(took, 1), "switched": switched}
     result["gateway_view"] = [gateway_figures(view) for view in views]

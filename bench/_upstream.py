@@ -15,6 +15,9 @@ deadline or by the total budget). `before_first` says the close came before any 
 during queueing or prefill. `GET /_bench/stats` serves the counts as rows.
 
     python -m bench._upstream --port P --behaviours '{"normal": {...}, "slow": {...}}' --seed 1
+
+`start_upstream` starts one from a benchmark script (in a `Stack` that runs in the repository's
+root, so `-m bench._upstream` is found).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from typing import Any, Final
 
 import orjson
 
-from gateway.sim.engine import SimEngine, SimProfile
+from gateway.sim.engine import SimEngine
+from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
+from gateway.tools.stack import Stack
 
 STATS_PATH: Final = "/_bench/stats"
 BEHAVIOUR_PATH: Final = "/_bench/behaviour"
@@ -209,6 +214,15 @@ async def _reply(send: Send, status: int, body: bytes) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def start_upstream(
+    stack: Stack, name: str, port: int, behaviours: dict[str, dict[str, Any]], seed: int
+) -> None:
+    """One upstream process, once it answers; the first of `behaviours` serves first."""
+    command = [sys.executable, "-m", "bench._upstream", "--port", str(port), "--seed", str(seed)]
+    command += ["--behaviours", json.dumps(behaviours), "--initial", next(iter(behaviours))]
+    stack.start_ready("upstream", command, f"{name}.log", f"http://127.0.0.1:{port}/health")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

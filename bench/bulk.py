@@ -60,7 +60,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -74,20 +73,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from gateway.bench import (
+from gateway.sketch import nearest_rank
+from gateway.tools.load import (
+    Client,
     LoadResult,
     Request,
-    Stack,
     closed_loop,
+    open_loop,
+    poisson_arrivals,
+    run_load,
+)
+from gateway.tools.stack import (
+    Stack,
     cpu_layout,
     metric_samples,
-    open_loop,
     proc_cpu_s,
-    run_load,
     start_gateway,
     start_sim,
+    taskset,
 )
-from gateway.sketch import nearest_rank
 
 try:  # `python -m bench.bulk` or `python bench/bulk.py`
     from bench._harness import (
@@ -213,14 +217,14 @@ def part_a(port: int, opts: Options, cpu: int | None) -> dict[str, Any]:
         request = embed_request(1, bulk=bulk)
         print(f"part A, {label}: {opts.requests} requests from {opts.workers} clients ...")
         before = batch_totals(port)
-        load = functools.partial(
-            closed_loop,
-            port,
-            request,
-            concurrency=opts.workers,
-            requests=opts.requests,
-            warmup=opts.workers,
-        )
+
+        async def load(request: Request = request) -> LoadResult:
+            async with Client(port) as client:
+                await client.warm_up(request, opts.workers, width=opts.workers)
+                return await closed_loop(
+                    client, request, concurrency=opts.workers, requests=opts.requests
+                )
+
         result = run_load(load, cpu=cpu)
         after = batch_totals(port)
         calls = after[1] - before[1]
@@ -286,23 +290,21 @@ def run_child(argv: Sequence[str]) -> int:
     spec = json.loads(argv[0])
     port, duration = int(spec["port"]), float(spec["duration_s"])
 
-    async def main() -> list[LoadResult]:
-        loops = [
-            closed_loop(
-                port,
-                Request(
-                    load["path"],
-                    load["body"].encode(),
-                    headers=load["headers"],
-                    expect=load["expect"],
-                    inputs=load["inputs"],
-                ),
-                concurrency=load["concurrency"],
-                duration_s=duration,
+    async def one(load: dict[str, Any]) -> LoadResult:
+        request = Request(
+            load["path"],
+            load["body"].encode(),
+            headers=load["headers"],
+            expect=load["expect"],
+            inputs=load["inputs"],
+        )
+        async with Client(port) as client:
+            return await closed_loop(
+                client, request, concurrency=load["concurrency"], duration_s=duration
             )
-            for load in spec["loads"]
-        ]
-        return list(await asyncio.gather(*loops))
+
+    async def main() -> list[LoadResult]:
+        return list(await asyncio.gather(*(one(load) for load in spec["loads"])))
 
     results = run_load(main)
     out = {
@@ -407,15 +409,14 @@ def interactive_phase(
     if child is not None:
         watched["bulk load"] = child.pid
     cpu0, wall0 = {k: proc_cpu_s(p) for k, p in watched.items()}, time.perf_counter()
-    load = functools.partial(
-        open_loop,
-        port,
-        interactive_request(),
-        rate=opts.rps,
-        duration_s=opts.duration_s,
-        seed=opts.seed,
-        warmup=0 if mix is not None else 3,
-    )
+
+    async def load() -> LoadResult:
+        request = interactive_request()
+        async with Client(port) as client:
+            await client.warm_up(request, 0 if mix is not None else 3)
+            arrivals = poisson_arrivals(opts.rps, opts.duration_s, opts.seed)
+            return await open_loop(client, request, arrivals, duration_s=opts.duration_s)
+
     with GateSampler(port) as sampler:
         result = run_load(load, cpu=cpus.get("load"))
     cpu1, wall1 = {k: proc_cpu_s(p) for k, p in watched.items()}, time.perf_counter()
@@ -476,9 +477,10 @@ def part_b(
         # A fresh gateway per phase: no gate limit or latency window carried over.
         folder = logs / name.replace(" ", "-").replace(",", "").replace("(", "").replace(")", "")
         folder.mkdir(exist_ok=True)
-        stack = Stack(folder, dict(cpus))
+        stack = Stack(folder, taskset(cpus))
         try:
-            port, gateway_pid = start_gateway(stack, gateway_config(sim_port, **overrides))
+            port, gateway = start_gateway(stack, gateway_config(sim_port, **overrides))
+            gateway_pid = gateway.pid
             bulk = "" if mix is None else f" + bulk {mix.name}"
             print(
                 f"part B, {name}: interactive chat at {opts.rps:g}/s{bulk}, "
@@ -717,13 +719,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="tailguard-bulk-"))
     a: dict[str, Any] | None = None
     b: dict[str, dict[str, Any]] | None = None
-    sim = Stack(logs, dict(cpus))
+    sim = Stack(logs, taskset(cpus))
     try:
         with sigterm_as_interrupt():
             sim_port = start_sim(sim, SIM_PROFILE, seed=opts.seed)
             if "A" in opts.parts:
                 (logs / "part-a").mkdir()
-                stack = Stack(logs / "part-a", dict(cpus))
+                stack = Stack(logs / "part-a", taskset(cpus))
                 try:
                     port, _ = start_gateway(stack, gateway_config(sim_port))
                     a = part_a(port, opts, cpus.get("load"))

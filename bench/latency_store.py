@@ -38,8 +38,10 @@ from typing import Any
 
 import redis
 
+from gateway.tools.stack import free_port, wait_ready
+
 try:  # `python -m bench.latency_store` or `python bench/latency_store.py`
-    from bench._harness import free_port, sigterm_as_interrupt, wait_ready
+    from bench._harness import sigterm_as_interrupt
     from bench._load import LoadSpec, run_load
     from bench.overhead import (
         MODEL,
@@ -50,11 +52,7 @@ try:  # `python -m bench.latency_store` or `python bench/latency_store.py`
         request_body,
     )
 except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        free_port,
-        sigterm_as_interrupt,
-        wait_ready,
-    )
+    from _harness import sigterm_as_interrupt  # type: ignore[no-redef,unused-ignore,import-not-found]
     from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
     from overhead import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         MODEL,
@@ -127,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="tailguard-bench-") as tmp:
-        stack = Stack(logs=Path(tmp), pin=pin)
+        stack = Stack(logs=Path(tmp), pin=pin, cwd=ROOT)
         try:
             ports = {"upstream": free_port(), "redis": free_port()}
             start_upstream(stack, ports["upstream"], TOKENS)
@@ -145,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 client.close()
         finally:
-            stack.stop_all()
+            stack.stop()
 
 
 def measure(

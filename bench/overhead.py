@@ -74,19 +74,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.tools.stack import Stack as _Stack
+from gateway.tools.stack import free_port, serve
+
 try:  # `python -m bench.overhead` or `python bench/overhead.py`
     from bench import _field as field_run
-    from bench._harness import Stack as _Stack
-    from bench._harness import free_port, serve, sigterm_as_interrupt
+    from bench._harness import sigterm_as_interrupt
     from bench._load import LoadSpec, run_load
 except ImportError:
     import _field as field_run  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _harness import Stack as _Stack  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        free_port,
-        serve,
-        sigterm_as_interrupt,
-    )
+    from _harness import sigterm_as_interrupt  # type: ignore[no-redef,unused-ignore,import-not-found]
     from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -586,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     logs = Path(tempfile.mkdtemp(prefix="tailguard-bench-"))
-    stack = Stack(logs=logs, pin=pin)
+    stack = Stack(logs=logs, pin=pin, cwd=ROOT)
     if warning:
         stack.notes.append(warning)
     ok = False
@@ -648,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        stack.stop_all()
+        stack.stop()
         if opts.keep_logs:
             print(f"logs: {logs}", file=sys.stderr)
         else:

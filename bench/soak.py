@@ -82,32 +82,29 @@ from prometheus_client.parser import text_string_to_metric_families
 try:  # `python -m bench.soak` or `python bench/soak.py`
     from bench._harness import (
         RESULTS_DIR,
+        ROOT,
         VENV_BIN,
-        Stack,
         environment,
-        free_port,
         pin_client,
         sigterm_as_interrupt,
-        start_gateway,
         write_results,
     )
     from bench._harness import percentiles_ms as _percentiles_ms
 except ImportError:
     from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         RESULTS_DIR,
+        ROOT,
         VENV_BIN,
-        Stack,
         environment,
-        free_port,
         pin_client,
         sigterm_as_interrupt,
-        start_gateway,
         write_results,
     )
     from _harness import percentiles_ms as _percentiles_ms  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 from gateway.auth import hash_key
 from gateway.sketch import nearest_rank
+from gateway.tools.stack import Stack, free_port, start_gateway
 
 SOAK_KEY = "tg-soak-key"
 
@@ -1071,7 +1068,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     pin, warning = pin_client()
     logs = Path(tempfile.mkdtemp(prefix="tailguard-soak-"))
-    stack = Stack(logs=logs, pin=pin)
+    stack = Stack(logs=logs, pin=pin, cwd=ROOT)
     target: RedisTarget | None = None
     try:
         with sigterm_as_interrupt():
@@ -1083,7 +1080,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 start_sim(stack, "up-a", ports["up-a"], opts.seed, profiles)
                 start_sim(stack, "up-b", ports["up-b"], opts.seed + 1, profiles)
                 config = gateway_config(ports["gateway"], ports, target.url)
-                gateway = start_gateway(stack, ports["gateway"], config)
+                _, gateway = start_gateway(stack, config, ports["gateway"])
                 upstreams = [f"http://127.0.0.1:{ports[name]}" for name in ("up-a", "up-b")]
                 print(
                     f"soak: {opts.duration_s:g} s at {opts.rps:g} requests/s "
@@ -1096,7 +1093,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if gateway.poll() is not None:
                     raise RuntimeError(f"the gateway exited ({gateway.returncode})")
             finally:
-                stack.stop_all()
+                stack.stop()
                 if target is not None:
                     release_redis(target)
     except (

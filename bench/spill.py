@@ -53,36 +53,33 @@ from typing import Any, Final
 import aiohttp
 
 from gateway.providers.vllm import parse_metrics
+from gateway.tools.stack import Stack, free_port, start_gateway
 
 try:  # `python -m bench.spill` or `python bench/spill.py`
     from bench._harness import (
         RESULTS_DIR,
+        ROOT,
         VENV_BIN,
         SSEReader,
-        Stack,
         environment,
-        free_port,
         parse_modes,
         percentiles_ms,
         pin_client,
         sigterm_as_interrupt,
-        start_gateway,
         stream_chat_body,
         write_results,
     )
 except ImportError:
     from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         RESULTS_DIR,
+        ROOT,
         VENV_BIN,
         SSEReader,
-        Stack,
         environment,
-        free_port,
         parse_modes,
         percentiles_ms,
         pin_client,
         sigterm_as_interrupt,
-        start_gateway,
         stream_chat_body,
         write_results,
     )
@@ -337,13 +334,13 @@ class Options:
 
 def run_mode(mode: str, opts: Options, pin: dict[str, list[str]], logs: Path) -> dict[str, Any]:
     capacity = local_capacity_rps()
-    stack = Stack(logs=logs, pin=pin)
+    stack = Stack(logs=logs, pin=pin, cwd=ROOT)
     try:
         ports = {"local": free_port(), "hosted": free_port(), "gateway": free_port()}
         start_sim(stack, "local", ports["local"], LOCAL_PROFILE, opts.seed)
         start_sim(stack, "hosted", ports["hosted"], HOSTED_PROFILE, opts.seed + 1)
         config = gateway_config(mode, ports["gateway"], ports["local"], ports["hosted"])
-        start_gateway(stack, ports["gateway"], config)
+        start_gateway(stack, config, ports["gateway"])
         pcts = (WARMUP_PCT, *opts.steps_pct)
         rates = [capacity * pct / 100 for pct in pcts]
         seconds = [opts.warmup_s, *([opts.step_s] * len(opts.steps_pct))]
@@ -359,7 +356,7 @@ def run_mode(mode: str, opts: Options, pin: dict[str, list[str]], logs: Path) ->
         )
         took = time.monotonic() - started
     finally:
-        stack.stop_all()
+        stack.stop()
     steps = []
     for index, pct in enumerate(opts.steps_pct):
         phase = index + 1

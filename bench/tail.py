@@ -1,12 +1,12 @@
 """Tail latency under a heavy-tailed primary: TTFT with no help, with failover and with hedging.
 
-Scenario. Two simulated upstreams, each a real HTTP server in a process of its own: the primary
-answers its first token in ~150 ms, except that 8% of its requests stall 2-4 s first; the
-fallback answers in a flat ~300 ms. The gateway (`tailguard serve`, a real uvicorn process) serves
-one model `chat` on the primary (through a provider of type `openai`, so a cut attempt closes a
-real HTTP stream), with a TTFT budget of 600 ms and `chat-fallback` (the fallback upstream) as
-its fallback. The same run is repeated once per `on_ttft_miss` mode, each with a fresh gateway
-and fresh upstreams:
+Scenario. Two simulated upstreams, each a real HTTP server in a process of its own
+(`bench/_upstream.py`, with one behaviour): the primary answers its first token in ~150 ms,
+except that 8% of its requests stall 2-4 s first; the fallback answers in a flat ~300 ms. The
+gateway (`tailguard serve`, a real uvicorn process) serves one model `chat` on the primary
+(through a provider of type `openai`, so a cut attempt closes a real HTTP stream), with a TTFT
+budget of 600 ms and `chat-fallback` (the fallback upstream) as its fallback. The same run is
+repeated once per `on_ttft_miss` mode, each with a fresh gateway and fresh upstreams:
 
 - `none`: no routing (no budget, no fallback): a plain proxy, the client waits for the primary;
 - `failover`: an attempt that misses its first-token deadline is cut and the next one starts;
@@ -40,55 +40,53 @@ import asyncio
 import contextlib
 import datetime
 import json
-import random
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import aiohttp
-import orjson
 
-from gateway.sim.engine import SimEngine, SimProfile
-from gateway.sim.server import create_sim_app
+from gateway.tools.load import poisson_arrivals, run_async
+from gateway.tools.stack import Stack, free_port, start_gateway
 
 try:  # `python -m bench.tail` or `python bench/tail.py`
     from bench._harness import (
         RESULTS_DIR,
+        ROOT,
         SSEReader,
-        Stack,
         environment,
-        free_port,
         parse_modes,
         pin_client,
         sigterm_as_interrupt,
-        start_gateway,
         stream_chat_body,
         write_results,
     )
     from bench._harness import percentiles_ms as _percentiles_ms
+    from bench._upstream import REQUEST_ID_PREFIX, STATS_PATH, start_upstream
 except ImportError:
     from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         RESULTS_DIR,
+        ROOT,
         SSEReader,
-        Stack,
         environment,
-        free_port,
         parse_modes,
         pin_client,
         sigterm_as_interrupt,
-        start_gateway,
         stream_chat_body,
         write_results,
     )
     from _harness import percentiles_ms as _percentiles_ms  # type: ignore[no-redef,unused-ignore,import-not-found]
+    from _upstream import (  # type: ignore[no-redef,unused-ignore,import-not-found]
+        REQUEST_ID_PREFIX,
+        STATS_PATH,
+        start_upstream,
+    )
 
 MODES: Final = ("none", "failover", "hedge")
 TAIL_QUANTILES: Final = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999))
@@ -121,10 +119,6 @@ FALLBACK_PROFILE: Final[dict[str, Any]] = {
     "output_tokens": MAX_TOKENS,
 }
 
-SIM_FLAG: Final = "--serve-sim"  # argv[1] of the upstream processes this script starts
-STATS_PATH: Final = "/_bench/stats"
-REQUEST_ID_PREFIX: Final = "tail-"
-PHASE_TAGS: Final = {"w": "warmup", "m": "measure"}
 FALLBACK_PRIOR_TTFT_MS: Final = 330  # what an operator would write for a ~300 ms fallback
 REQUEST_TIMEOUT_S: Final = 60.0  # well past the total budget: a hung request shows as an error
 # uvicorn closes idle connections after 5 s; reusing one as it closes fails for no reason of ours.
@@ -132,84 +126,6 @@ KEEPALIVE_S: Final = 2.0
 # Above this the client's own timer lag, not the gateway, moves the percentiles.
 NOISY_LAG_MS: Final = 10.0
 MAX_ERROR_SAMPLES: Final = 5
-
-_T = TypeVar("_T")
-
-
-# --- the upstream processes ----------------------------------------------------------------------
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-def counting_app(engine: SimEngine) -> ASGI:
-    """The simulator's app, plus a count of chat requests per phase and `GET /_bench/stats`.
-
-    The simulator serves no counters over HTTP, and its engine counts only the requests that
-    parsed. Counting by the forwarded `x-request-id` also keeps a warm-up request that fails over
-    after the warm-up ended out of the measured period.
-    """
-    inner = create_sim_app(engine)
-    counts: Counter[str] = Counter()
-    prefix = REQUEST_ID_PREFIX.encode()
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path = scope["path"]
-            if path == STATS_PATH:
-                stats = engine.stats
-                body = orjson.dumps(
-                    {
-                        "requests": sum(counts.values()),
-                        "by_phase": dict(counts),
-                        "engine": {
-                            name: getattr(stats, name)
-                            for name in ("requests", "completed", "cancelled", "faults")
-                        },
-                    }
-                )
-                headers = [(b"content-type", b"application/json")]
-                headers.append((b"content-length", str(len(body)).encode()))
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                await send({"type": "http.response.body", "body": body})
-                return
-            if scope["method"] == "POST" and path == "/v1/chat/completions":
-                tag = "untagged"
-                for name, value in scope["headers"]:
-                    if name == b"x-request-id" and value.startswith(prefix):
-                        tag = PHASE_TAGS.get(value[len(prefix) : len(prefix) + 1].decode(), tag)
-                counts[tag] += 1
-        await inner(scope, receive, send)
-
-    return app
-
-
-def serve_sim(argv: Sequence[str]) -> int:
-    """Run one simulated upstream until SIGTERM (the child side of `start_sim`)."""
-    import uvicorn
-
-    parser = argparse.ArgumentParser(prog=f"tail.py {SIM_FLAG}")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--profile", required=True, help="a SimProfile as JSON")
-    parser.add_argument("--seed", type=int, required=True)
-    args = parser.parse_args(argv)
-    engine = SimEngine({}, SimProfile.model_validate(json.loads(args.profile)), seed=args.seed)
-    uvicorn.run(
-        counting_app(engine),
-        host="127.0.0.1",
-        port=args.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
-        server_header=False,
-        timeout_graceful_shutdown=2,  # a stalled stream must not hold the next mode up
-    )
-    return 0
 
 
 # --- processes -----------------------------------------------------------------------------------
@@ -221,12 +137,9 @@ def get_json(url: str) -> dict[str, Any]:
     return data
 
 
-def start_sim(
-    stack: Stack, name: str, port: int, profile: dict[str, Any], seed: int
-) -> subprocess.Popen[bytes]:
-    command = [sys.executable, str(Path(__file__).resolve()), SIM_FLAG, "--port", str(port)]
-    command += ["--profile", json.dumps(profile), "--seed", str(seed)]
-    return stack.start_ready("upstream", command, f"{name}.log", f"http://127.0.0.1:{port}/health")
+def received(stats: dict[str, Any], phase: str | None = None) -> int:
+    """Chat requests an upstream counted (`bench/_upstream.py`'s rows), in `phase` or in all."""
+    return sum(int(r["requests"]) for r in stats["rows"] if phase is None or r["phase"] == phase)
 
 
 def gateway_config(mode: str, port: int, primary_port: int, fallback_port: int) -> dict[str, Any]:
@@ -328,17 +241,6 @@ async def one_request(
     return outcome
 
 
-def poisson_schedule(rate: float, seconds: float, seed: int) -> list[float]:
-    """Arrival offsets (s) of a Poisson process: the same for every mode of a run."""
-    rng = random.Random(seed)
-    arrivals: list[float] = []
-    t = rng.expovariate(rate)
-    while t < seconds:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
-    return arrivals
-
-
 async def fetch_stats(session: aiohttp.ClientSession, urls: dict[str, str]) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     for name, url in urls.items():
@@ -373,20 +275,13 @@ async def drive(
             if (delay := due - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
             phase = "measure" if offset >= warmup_s else "warmup"
-            request_id = f"{REQUEST_ID_PREFIX}{phase[0]}-{index:06d}"
+            # <prefix><phase><class>: one short prompt for every request
+            request_id = f"{REQUEST_ID_PREFIX}{phase[0]}s-{index:06d}"
             tasks.append(
                 asyncio.create_task(one_request(session, url, body, request_id, phase, due))
             )
         outcomes = list(await asyncio.gather(*tasks))
     return outcomes, boundary
-
-
-def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 # --- one mode ------------------------------------------------------------------------------------
@@ -414,19 +309,21 @@ def percentiles_ms(values_s: Sequence[float], missing: int = 0) -> dict[str, flo
 
 
 def run_mode(mode: str, opts: Options, pin: dict[str, list[str]], logs: Path) -> dict[str, Any]:
-    stack = Stack(logs=logs, pin=pin)
+    stack = Stack(logs=logs, pin=pin, cwd=ROOT)  # the upstreams run as `-m bench._upstream`
     try:
         ports = {"primary": free_port(), "fallback": free_port(), "gateway": free_port()}
         # The same seeds in every mode: the primary draws its stalls in the same order, so the
         # modes differ in how the gateway reacts, not in the luck of the draw.
-        start_sim(stack, "primary", ports["primary"], opts.primary_profile, opts.seed)
-        start_sim(stack, "fallback", ports["fallback"], FALLBACK_PROFILE, opts.seed + 1)
+        primary = {"normal": opts.primary_profile}
+        start_upstream(stack, "primary", ports["primary"], primary, opts.seed)
+        fallback = {"normal": FALLBACK_PROFILE}
+        start_upstream(stack, "fallback", ports["fallback"], fallback, opts.seed + 1)
         config = gateway_config(mode, ports["gateway"], ports["primary"], ports["fallback"])
-        start_gateway(stack, ports["gateway"], config)
+        start_gateway(stack, config, ports["gateway"])
         stats_urls = {
             name: f"http://127.0.0.1:{ports[name]}{STATS_PATH}" for name in ("primary", "fallback")
         }
-        arrivals = poisson_schedule(opts.rps, opts.warmup_s + opts.duration_s, opts.seed)
+        arrivals = poisson_arrivals(opts.rps, opts.warmup_s + opts.duration_s, opts.seed)
         started = time.monotonic()
         outcomes, boundary = run_async(
             drive(f"http://127.0.0.1:{ports['gateway']}", stats_urls, arrivals, opts.warmup_s)
@@ -434,7 +331,7 @@ def run_mode(mode: str, opts: Options, pin: dict[str, list[str]], logs: Path) ->
         took = time.monotonic() - started
         end = {name: get_json(url) for name, url in stats_urls.items()}
     finally:
-        stack.stop_all()
+        stack.stop()
     result = summarize(mode, outcomes, boundary, end)
     result["wall_s"] = took
     result["config"] = config
@@ -457,13 +354,13 @@ def summarize(
     deployments = Counter(o.deployment or header_missing(o) for o in measured)
     attempts = [o.attempts for o in measured if o.attempts is not None]
 
-    tagged = sum(int(end[name]["by_phase"].get("measure", 0)) for name in end)
+    tagged = sum(received(end[name], "measure") for name in end)
     if tagged:
         upstream_requests = tagged
         method = "x-request-id counted by the upstreams (measured requests only)"
     else:  # the gateway did not forward the ids: everything after the warm-up ended
         upstream_requests = sum(
-            int(end[name]["requests"]) - int(boundary.get(name, {}).get("requests", 0))
+            received(end[name]) - (received(boundary[name]) if name in boundary else 0)
             for name in end
         )
         method = (
@@ -639,10 +536,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == [SIM_FLAG]:
-        return serve_sim(args[1:])
-    opts = parse_args(args)
+    opts = parse_args(argv)
     pin, warning = pin_client()
     logs = Path(tempfile.mkdtemp(prefix="tailguard-tail-"))
     results: dict[str, dict[str, Any]] = {}

@@ -20,21 +20,23 @@
     │   └── ProviderRejectedError     400/413/422 from upstream: the request itself is bad (final)
     └── AllCandidatesFailedError      504 if all timed out, 429 if all rate limited, else 502
 
-Exceptions from libraries (aiohttp, redis) are translated where they are caught, never here.
-Messages made by the gateway name the deployment and never carry a credential; `scrub` removes
-key-like strings from text that came from elsewhere.
+Exceptions from libraries (aiohttp, redis) are translated where they are caught, never here. An
+upstream's error status (or the error it put inside a 200) is mapped to this tree in one table,
+`upstream_error`, whichever adapter read it. Messages made by the gateway name the deployment and
+never carry a credential; `scrub` removes key-like strings from text that came from elsewhere.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Mapping
 
 import orjson
 
-from gateway.models import Wire
-from gateway.numbers import wait_or_none
+from gateway.models import InBandError, Wire
+from gateway.numbers import retry_after_s, wait_or_none
 from gateway.sse import frame
 
 
@@ -220,6 +222,103 @@ class AllCandidatesFailedError(GatewayError):
         if len(errors) > 1:
             # The gateway already tried several candidates; SDK retries would multiply that.
             self.headers["x-should-retry"] = "false"
+
+
+# --- upstream statuses ---------------------------------------------------------------------------
+
+MAX_CODE_CHARS = 64  # an upstream error code longer than this is cut
+
+
+def parse_retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait, from `retry-after-ms` or `retry-after` (seconds or an HTTP date), within
+    [0, a day]; None when neither holds a usable value (`inf`, `nan`, `-1`, `soon`...)."""
+    return retry_after_s(headers.get("retry-after"), headers.get("retry-after-ms"), time.time())
+
+
+def _upstream_code(code: str | None) -> str | None:
+    """An upstream's error code as the client sees it: not a bare number (vLLM puts the status
+    there), and bounded, since it also lands in traces and the access log."""
+    if not code or code.isdigit():
+        return None
+    return code[:MAX_CODE_CHARS]
+
+
+def upstream_error(
+    *,
+    deployment: str,
+    status: int,
+    detail: str,
+    headers: Mapping[str, str],
+    param: str | None = None,
+    upstream_code: str | None = None,
+    inband: bool = False,
+) -> ProviderError:
+    """The error for an upstream's error status (`inband`: one it put inside a 200 response or
+    stream, with the status it implies). `detail` is the upstream's message, already scrubbed."""
+    where = "in-band error" if inband else f"upstream returned {status}"
+    if status == 429:
+        return RateLimitedError(
+            f"{where}: {detail}",
+            deployment=deployment,
+            retry_after_s=parse_retry_after(headers),
+            kind="inband_error" if inband else "429",
+        )
+    if status in (400, 413, 422):
+        return ProviderRejectedError(
+            detail,
+            deployment=deployment,
+            upstream_status=status,
+            param=param,
+            upstream_code=_upstream_code(upstream_code),
+        )
+    if status in (401, 403):
+        return ProviderError(
+            f"upstream rejected the gateway's credentials ({status}); check the provider's api_key",
+            deployment=deployment,
+            upstream_status=status,
+        )
+    if status == 404:
+        return ProviderError(
+            f"upstream returned 404 (unknown model or path): {detail}",
+            deployment=deployment,
+            upstream_status=status,
+        )
+    if status in (408, 504):
+        return ProviderTimeoutError(
+            f"{where}: {detail}", deployment=deployment, upstream_status=status
+        )
+    if status in (503, 529):
+        return ProviderUnavailableError(
+            f"{where}: {detail}",
+            deployment=deployment,
+            upstream_status=status,
+            kind="inband_error" if inband else None,
+        )
+    return ProviderError(
+        f"{where}: {detail}",
+        deployment=deployment,
+        upstream_status=status,
+        kind="inband_error" if inband else None,
+    )
+
+
+def inband_error(
+    deployment: str, error: InBandError, secrets: tuple[str, ...] = ()
+) -> ProviderError:
+    """An error the upstream put inside a 200 response or stream, before anything was sent."""
+    status = error.status if error.status and 400 <= error.status <= 599 else 500
+    if error.type in ("overloaded_error",):
+        status = 529
+    elif error.type in ("rate_limit_error",):
+        status = 429
+    return upstream_error(
+        deployment=deployment,
+        status=status,
+        detail=scrub(error.message, secrets)[:500],
+        headers={},
+        upstream_code=error.code,
+        inband=True,
+    )
 
 
 # --- rendering -----------------------------------------------------------------------------------

@@ -95,10 +95,11 @@ class UpstreamRequest:
     passthrough: bool = False  # events reach the client untouched: decode only what is needed
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Call:
     """One client request, parsed just enough to route it. `body` is the parsed JSON object and
-    `raw` its exact bytes (forwarded as-is when nothing needs to change)."""
+    `raw` its exact bytes (forwarded as-is when nothing needs to change). Never changed once
+    parsed: admission makes a new one when a key's cap or the model's priority applies."""
 
     endpoint: Endpoint
     model: str
@@ -109,8 +110,6 @@ class Call:
     max_tokens: int | None = None
     n: int = 1  # choices asked for
     priority: str = "interactive"  # interactive | bulk
-    request_id: str = ""
-    forward_headers: dict[str, str] = field(default_factory=dict)  # sent upstream as-is
 
     @property
     def wire(self) -> Wire:

@@ -5,7 +5,7 @@ connection, so one client trickling bytes (slow-loris) or sending megabytes of h
 connection and its memory. Here a request whose headers exceed `server.max_header_bytes` gets a
 431, and one whose headers are not complete within `server.read_timeout_s` of its first byte
 (or of the connection, for the first request) gets a 408; both close the connection. The body's
-deadline is the app's (see `read_body` in gateway/api.py).
+deadline is the app's (see `read_body` in gateway/api/admit.py).
 
 Two more holes are closed:
 - An answer sent before its request's body was all received (a 401, 413 or 408, or any route

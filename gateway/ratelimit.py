@@ -34,8 +34,9 @@ from redis.exceptions import RedisError
 from gateway.auth import Principal
 from gateway.config import RateLimitSpec, Settings
 from gateway.errors import KeyRateLimitedError, OverloadedError
-from gateway.latency import LatencyStore, RedisClient, connect_redis
+from gateway.latency import LatencyStore
 from gateway.models import Call, Wire
+from gateway.redis import RedisClient, connect_redis
 
 log = logging.getLogger("tailguard")
 

@@ -1,10 +1,11 @@
 """What a running gateway holds, and how a new config replaces it without dropping a request.
 
 `Runtime` owns the parts that live as long as the process (latency store, tracing, metrics
-registry) and the current `Services`: everything a request needs that the config decides
-(models, provider connection pools, guards). A request reads `runtime.services` once, when it is
-admitted, and keeps that object to its end. A reload builds a complete new `Services` first and
-swaps the pointer; the old one's connection pools are closed once its last request has ended.
+registry, admission and rate limits, the vLLM metrics scraper's session) and the current
+`Services`: everything a request needs that the config decides (models, provider connection
+pools, guards). A request reads `runtime.services` once, when it is admitted, and keeps that
+object to its end. A reload builds a complete new `Services` first and swaps the pointer; the old
+one's connection pools are closed once its last request has ended.
 """
 
 from __future__ import annotations
@@ -30,14 +31,13 @@ from gateway.latency import (
     MemoryLatencyStore,
     Recorder,
     RedisLatencyStore,
-    connect_redis,
     run_store,
 )
 from gateway.providers import open_providers
 from gateway.providers.base import Provider
-from gateway.providers.http import HTTPProvider
-from gateway.providers.vllm import ServerState, metrics_url, scrape_forever
-from gateway.ratelimit import Admission, open_rate_limiter
+from gateway.providers.vllm import Scraper, ServerState
+from gateway.ratelimit import Admission, RateLimiter, open_rate_limiter
+from gateway.redis import connect_redis
 from gateway.routing import Guards, TTFTPredictor, fallback_chain
 from gateway.telemetry import (
     AccessLog,
@@ -95,7 +95,8 @@ class Services:
 
 
 class Runtime:
-    """The gateway's state for one app lifespan. Use `async with Runtime.start(...)`."""
+    """The gateway's state for one app lifespan. Use `async with Runtime(...)`: entering it
+    opens the lifespan's parts and the first `Services`, leaving it closes them."""
 
     def __init__(
         self,
@@ -117,7 +118,16 @@ class Runtime:
         self.predictor = TTFTPredictor()  # learned from traffic: kept across reloads
         self._draining: set[asyncio.Task[Any]] = set()  # referenced until done
         self._reload_lock = asyncio.Lock()
-        self.services: Services  # set by __aenter__
+        # Per process, not per config: counters in flight must survive a reload.
+        self.admission = Admission(settings.server.max_concurrent)
+        self.scraper = Scraper()  # its session opens and closes with the lifespan
+        # Opened by __aenter__, for the lifespan:
+        self.latency: LatencyStore
+        self.limiter: RateLimiter
+        self.tracing: Tracing
+        self.registry: Registry
+        self.meters: Meters
+        self.services: Services
 
     async def __aenter__(self) -> Runtime:
         stack = self._stack
@@ -125,8 +135,7 @@ class Runtime:
         try:
             settings = self._initial
             self.latency = await _open_latency_store(settings, stack)
-            # Per process, not per config: counters in flight must survive a reload.
-            self.admission = Admission(settings.server.max_concurrent)
+            await stack.enter_async_context(self.scraper)  # closed after every config's readers
             self.limiter = open_rate_limiter(settings)
             stack.push_async_callback(self.limiter.aclose)
             self.tracing = tracing_from_env(self._environ)
@@ -143,8 +152,8 @@ class Runtime:
                     lambda: self.services.guards.retries.denied,
                     lambda: self.tracing.dropped,
                 ),
-                BatchingCollector(self._batching_state),
-                LimitsCollector(self._limits_state),
+                BatchingCollector(lambda: _batching_state(self.services)),
+                LimitsCollector(lambda: _limits_state(self.limiter, self.admission)),
                 ExtraLoadCollector(
                     lambda: self.latency.snapshot,
                     lambda: (m.name for m in self.services.settings.models),
@@ -176,18 +185,13 @@ class Runtime:
         recorders: list[Recorder] = [self.latency, self.meters]
         if self._extra_recorder is not None:
             recorders.append(self._extra_recorder)
-        servers = self._start_scrapers(settings, providers, pools)
+        servers = {
+            name: self.scraper.watch(name, spec, providers[name].secrets, pools)
+            for name, spec in settings.providers.items()
+            if spec.type == "vllm"
+        }
         gate = BulkGate(settings.routing.bulk)
-        batchers: dict[str, BatchingProvider] = {}
-        for model in settings.models:
-            if model.batching is None:
-                continue
-            for d in model.deployments:
-                provider = providers[d.provider]
-                if d.id not in batchers and provider.wire == "openai":
-                    batchers[d.id] = BatchingProvider(
-                        provider, d.id, model.batching, observer=self.meters.batch, gate=gate
-                    )
+        batchers = _batchers(settings, providers, self.meters, gate)
         return Services(
             settings=settings,
             models={m.name: m for m in settings.models},
@@ -209,26 +213,6 @@ class Runtime:
             predictor=self.predictor,
             _pools=pools,
         )
-
-    def _start_scrapers(
-        self, settings: Settings, providers: Mapping[str, Provider], pools: AsyncExitStack
-    ) -> dict[str, ServerState]:
-        """A background reader of `/metrics` per vLLM provider, stopped with its pools."""
-        servers: dict[str, ServerState] = {}
-        for name, spec in settings.providers.items():
-            provider = providers[name]
-            if spec.type != "vllm" or not isinstance(provider, HTTPProvider):
-                continue
-            assert spec.base_url is not None
-            state = ServerState(
-                spec.metrics_url or metrics_url(spec.base_url), spec.metrics_interval_s
-            )
-            servers[name] = state
-            task = asyncio.create_task(
-                scrape_forever(state, provider.session, provider.secrets), name=f"vllm-{name}"
-            )
-            pools.push_async_callback(_cancel, task)
-        return servers
 
     # -- reloading --
 
@@ -302,11 +286,14 @@ class Runtime:
         self.last_failure = reason
 
     async def _drain(self, old: Services) -> None:
-        """Close the replaced config's connection pools once its last request has ended."""
+        """Close the replaced config's connection pools once its last request has ended (or
+        the lifespan ends first: its metrics readers must stop before the scraper closes)."""
         old.retired = True
-        if old.active > 0:
-            await old.idle.wait()
-        await old._pools.aclose()
+        try:
+            if old.active > 0:
+                await old.idle.wait()
+        finally:
+            await old._pools.aclose()
 
     def _watch(self, stack: AsyncExitStack) -> None:
         """Reload on SIGHUP and whenever the config file changes."""
@@ -320,27 +307,6 @@ class Runtime:
                 self._watch_file(_digest(self.config_path)), name="config-watch"
             )
             stack.push_async_callback(_cancel, watcher)
-
-    def _batching_state(self) -> BatchingState:
-        services = self.services
-        gate = services.gate
-        return BatchingState(
-            waiting={d: b.waiting for d, b in services.batchers.items()},
-            rejected={d: b.rejected for d, b in services.batchers.items()},
-            bulk_limits=gate.limits() if gate is not None else {},
-            bulk_waiting=gate.waiting() if gate is not None else {},
-            bulk_rejected=gate.rejected if gate is not None else 0,
-        )
-
-    def _limits_state(self) -> LimitsState:
-        return LimitsState(
-            rate_limited=self.limiter.refused,
-            store_errors=self.limiter.store_errors,
-            store_outages=self.limiter.outages,
-            store_degraded=self.limiter.degraded,
-            concurrency_refused=self.admission.refused,
-            in_flight=self.admission.active,
-        )
 
     def health(self) -> dict[str, Any]:
         """The config part of `/readyz`."""
@@ -378,6 +344,45 @@ class Runtime:
             task.cancel()
         await asyncio.gather(*self._draining, return_exceptions=True)
         await self.services._pools.aclose()
+
+
+def _batchers(
+    settings: Settings, providers: Mapping[str, Provider], meters: Meters, gate: BulkGate
+) -> dict[str, BatchingProvider]:
+    """One micro-batcher per deployment of a model with `batching` (OpenAI wire only)."""
+    batchers: dict[str, BatchingProvider] = {}
+    for model in settings.models:
+        if model.batching is None:
+            continue
+        for d in model.deployments:
+            provider = providers[d.provider]
+            if d.id not in batchers and provider.wire == "openai":
+                batchers[d.id] = BatchingProvider(
+                    provider, d.id, model.batching, observer=meters.batch, gate=gate
+                )
+    return batchers
+
+
+def _batching_state(services: Services) -> BatchingState:
+    gate = services.gate
+    return BatchingState(
+        waiting={d: b.waiting for d, b in services.batchers.items()},
+        rejected={d: b.rejected for d, b in services.batchers.items()},
+        bulk_limits=gate.limits() if gate is not None else {},
+        bulk_waiting=gate.waiting() if gate is not None else {},
+        bulk_rejected=gate.rejected if gate is not None else 0,
+    )
+
+
+def _limits_state(limiter: RateLimiter, admission: Admission) -> LimitsState:
+    return LimitsState(
+        rate_limited=limiter.refused,
+        store_errors=limiter.store_errors,
+        store_outages=limiter.outages,
+        store_degraded=limiter.degraded,
+        concurrency_refused=admission.refused,
+        in_flight=admission.active,
+    )
 
 
 def _rate_limit_store(settings: Settings) -> Any:

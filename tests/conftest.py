@@ -17,7 +17,8 @@ import uvicorn
 from gateway.api import create_app
 from gateway.config import Settings, build_settings
 from gateway.latency import MemoryRecorder
-from gateway.sim.engine import SimEngine, SimProfile
+from gateway.sim.engine import SimEngine
+from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 
 

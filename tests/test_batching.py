@@ -14,7 +14,8 @@ import orjson
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.sim.engine import SimEngine, SimProfile
+from gateway.sim.engine import SimEngine
+from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 

@@ -1,13 +1,19 @@
 """`tailguard bench batching`'s engine: a real run in its shortest form, and the recommendation
-logic on made-up numbers."""
+logic on made-up numbers; and the benchmarks' load client, run as the scripts run it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+from typing import Any
 
+import orjson
 import pytest
 
-from gateway.bench import BatchingRow, Workload, recommend, run_batching_bench
+from bench._load import LoadSpec, run_load
+from gateway.tools.bench import BatchingRow, Workload, recommend, run_batching_bench
+from tests.conftest import Upstream
 
 
 def test_a_short_run_measures_every_workload_at_every_wait() -> None:
@@ -117,3 +123,56 @@ def test_bulk_with_everything_tied_prefers_the_shorter_wait() -> None:
 def test_no_rows_for_the_workload_is_an_error() -> None:
     with pytest.raises(ValueError, match="no rows"):
         recommend("bulk", [row("interactive", 5, 20, 30.0)])
+
+
+def chat_body(stream: bool) -> str:
+    body = {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "Hi"}]}
+    return orjson.dumps(body).decode()
+
+
+async def load(upstream: Upstream, **spec: Any) -> dict[str, Any]:
+    """`bench/_load.py` in a process of its own against the (5-token) simulated upstream."""
+    port = int(upstream.url.rsplit(":", 1)[1])
+    return await asyncio.to_thread(run_load, LoadSpec(port=port, **spec))
+
+
+async def test_the_load_process_counts_every_answer_in_both_loops(upstream: Upstream) -> None:
+    """Closed loop: exactly `requests` answers after the warm-up, and the CPU a process used
+    meanwhile; open loop: one request per 1 / rate, streams timed to their first token. Every
+    answer carries the tokens expected."""
+    closed = await load(
+        upstream,
+        body=chat_body(False),
+        concurrency=4,
+        requests=400,  # enough upstream CPU to show in whole clock ticks
+        warmup_requests=8,
+        expect_tokens=5,
+        cpu_pids={"upstream": os.getpid()},  # this process serves the upstream
+    )
+    assert (closed["requests"], closed["ok"], closed["errors"]) == (400, 400, 0)
+    assert closed["cpu_s"]["upstream"] > 0
+    assert closed["latency_ms"]["count"] == 400 and closed["throughput_rps"] > 0
+    assert upstream.stats.requests == 408  # the warm-up went out too, uncounted
+    opened = await load(
+        upstream,
+        body=chat_body(True),
+        stream=True,
+        mode="open",
+        rate=100,
+        duration_s=0.3,
+        expect_tokens=5,
+    )
+    assert (opened["ok"], opened["errors"]) == (30, 0)
+    assert 0 < opened["ttft_ms"]["p50"] <= opened["latency_ms"]["p50"]
+    assert opened["send_lag_ms"]["count"] == 30
+
+
+async def test_the_load_process_refuses_answers_short_of_the_expected_tokens(
+    upstream: Upstream,
+) -> None:
+    """A complete stream with fewer content tokens than expected is an error, with a sample."""
+    result = await load(
+        upstream, body=chat_body(True), stream=True, requests=5, concurrency=1, expect_tokens=6
+    )
+    assert (result["ok"], result["errors"]) == (0, 5)
+    assert result["error_samples"][0] == "5 content tokens, expected 6"

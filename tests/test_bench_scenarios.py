@@ -16,7 +16,7 @@ import orjson
 from bench._scenario_run import Planned, Scenario, Timing, recovery_time
 from bench._upstream import BEHAVIOUR_PATH, STATS_PATH, Upstream, prompt_tokens
 from bench.tail import Outcome
-from gateway.sim.engine import SimProfile
+from gateway.sim.profile import SimProfile
 from tests.conftest import serve
 
 ROOT = Path(__file__).resolve().parent.parent

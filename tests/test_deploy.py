@@ -22,7 +22,7 @@ import uvicorn
 import yaml
 
 from gateway.config import Settings, load_settings
-from gateway.sim.engine import SimProfile, apply_overrides
+from gateway.sim.profile import SimProfile, apply_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -242,8 +242,8 @@ def nginx_directive(text: str, name: str) -> list[list[str]]:
 
 
 def gateway_setting(name: str) -> float | None:
-    """A uvicorn option `tailguard serve` sets (gateway/cli.py), None when it leaves the default."""
-    tree = ast.parse((ROOT / "gateway" / "cli.py").read_text(encoding="utf-8"))
+    """A uvicorn option `tailguard serve` sets (gateway/cli/serve.py), None if left as default."""
+    tree = ast.parse((ROOT / "gateway" / "cli" / "serve.py").read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):
             for key, value in zip(node.keys, node.values, strict=True):

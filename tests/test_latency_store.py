@@ -19,12 +19,12 @@ from gateway.latency import (
     MemoryLatencyStore,
     RedisLatencyStore,
     Sample,
-    Sketch,
     Snapshot,
     TargetStats,
-    connect_redis,
     run_store,
 )
+from gateway.redis import connect_redis
+from gateway.sketch import Sketch
 from tests.conftest import RedisServer
 
 

@@ -8,16 +8,15 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.probe import (
+from gateway.tools.probe import (
     CONDITIONS,
     ProbeResult,
     filler_text,
-    markdown_report,
     run_probe,
     summarize,
-    summary_rows,
     tokens_per_s,
 )
+from gateway.tools.probe_report import markdown_report, summary_rows
 from tests.conftest import Upstream, one_model, run_gateway, serve
 
 

@@ -17,7 +17,7 @@ import pytest
 from gateway.auth import Principal, new_key
 from gateway.config import RateLimitSpec
 from gateway.errors import KeyRateLimitedError
-from gateway.latency import MemoryLatencyStore, Sample, connect_redis
+from gateway.latency import MemoryLatencyStore, Sample
 from gateway.models import Call, Endpoint
 from gateway.ratelimit import (
     LocalBuckets,
@@ -26,6 +26,7 @@ from gateway.ratelimit import (
     estimate_tokens,
     open_rate_limiter,
 )
+from gateway.redis import connect_redis
 from gateway.validate import parse_call
 from tests.conftest import RedisServer, Upstream, gateway_settings, run_gateway
 from tests.faults.leaks import settle
@@ -281,8 +282,6 @@ async def test_a_redis_that_never_answers_costs_at_most_the_timeout(
 
 async def test_limiter_unit_with_real_redis(redis_server: RedisServer) -> None:
     """The Lua script on a real server: charges, refusals and the reset arithmetic."""
-    from gateway.latency import connect_redis
-
     client = connect_redis(redis_server.url, wait_for_connection=True, max_connections=8)
     limiter = RateLimiter(RateLimitSpec(), client)
     principal = Principal(name="p", rpm=2, tpm=100)

@@ -3,6 +3,7 @@ server, a Sentinel-managed master and a Redis Cluster, each started for real on 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -23,14 +24,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
 from redis.crc import key_slot
 
-from gateway.latency import (
-    TTFT_DEADLINE,
-    RedisClient,
-    RedisLatencyStore,
-    Sample,
-    connect_redis,
-    parse_redis_url,
-)
+from gateway.latency import TTFT_DEADLINE, RedisLatencyStore, Sample
+from gateway.redis import RedisClient, connect_redis, parse_redis_url
 from tests.conftest import free_port
 from tests.test_latency_store import Clock, failed, ok, same_numbers
 
@@ -290,6 +285,11 @@ async def share_between_replicas(url: str, prefix: str) -> None:
     recorded only in replica A reach replica B with identical numbers."""
     clock = Clock()
     async with connected(url) as ra, connected(url) as rb:
+        # Warm both clients first (for a cluster: discover the slot map): the store's short
+        # timeouts are for a warm client, and a loaded machine can take longer to discover.
+        async with asyncio.timeout(10):
+            await ra.ping()
+            await rb.ping()
         a, b = replica(ra, clock, prefix), replica(rb, clock, prefix)
         for i in range(200):
             a.record(ok("d1", "chat", ttft_ms=50 + i * 5))

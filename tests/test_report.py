@@ -17,7 +17,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.report import build_report, class_quantiles, render_markdown
+from gateway.tools.report import build_report, class_quantiles, render_markdown
 from tests.conftest import Upstream, free_port, gateway_settings, run_gateway
 
 STAGES = {"overhead", "queue", "connect", "ttft", "decode", "total"}

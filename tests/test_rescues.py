@@ -18,7 +18,7 @@ from gateway.errors import AllCandidatesFailedError, ProviderError
 from gateway.latency import MemoryLatencyStore
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import StreamLimits, UpstreamStream
-from gateway.routing import Candidate, Guards, Opened, Plan, Policy, open_first
+from gateway.routing import Budget, Candidate, Guards, Ledger, Opened, Plan, open_first
 from gateway.routing.attempts import background_done
 from gateway.validate import parse_call
 
@@ -84,25 +84,28 @@ async def race(
     ttft_s: float | None = 0.5,
     on_miss: OnTTFTMiss = "failover",
     cap: float = 1.0,
-) -> Opened:
+) -> tuple[Opened, Ledger]:
+    """The committed attempt, and the ledger whose `aclose()` the caller owes."""
     call = parse_call(
         "chat",
         orjson.dumps(
             {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
         ),
     )
-    policy = Policy("m", time.perf_counter(), ttft_s, on_miss, hedge_fraction=cap)
-    store.arrived("m")
-    return await open_first(
-        call,
-        plan,
-        policy,
-        headers={},
-        recorder=store,
-        guards=guards,
-        snapshot=store.local_snapshot(),
-        inflight=store,
+    budget = Budget(
+        ttft_s=ttft_s,
+        on_ttft_miss=on_miss,
+        rescue_share=cap,
+        model="m",
+        arrived=time.perf_counter(),
     )
+    store.arrived("m")
+    ledger = Ledger(call, budget, headers={}, recorder=store, guards=guards, inflight=store)
+    try:
+        return await open_first(ledger, plan, store.local_snapshot()), ledger
+    except BaseException:
+        await ledger.aclose()
+        raise
 
 
 def guards(*, floor: int = 3, failures: int = 3) -> Guards:
@@ -122,9 +125,9 @@ async def test_an_outage_onset_tries_the_healthy_fallback_whatever_the_retry_bud
     shared.retries.active = 20
     plan = Plan([candidate(down), candidate(healthy, prior_ms=50)], "primary")
     served = await asyncio.gather(*(race(plan, shared, store, ttft_s=None) for _ in range(10)))
-    assert {o.candidate.id for o in served} == {"ok/m"}
-    for opened in served:
-        await opened.close()
+    assert {o.candidate.id for o, _ in served} == {"ok/m"}
+    for _, ledger in served:
+        await ledger.aclose()
     assert shared.retries.retries == 0
     fresh, also_down = guards(floor=0), Upstream("down2", fails=True)
     twice = Plan([candidate(down), candidate(also_down), candidate(healthy)], "primary")
@@ -139,8 +142,8 @@ async def test_over_the_cap_a_slow_attempt_is_not_rescued() -> None:
     slow, fast = Upstream("slow", ttft_s=0.3), Upstream("fast", ttft_s=0.01)
     shared, store = guards(), MemoryLatencyStore()
     plan = Plan([candidate(slow), candidate(fast, prior_ms=20)], "primary")
-    opened = await race(plan, shared, store, ttft_s=0.2, cap=0.0)
-    await opened.close()
+    opened, ledger = await race(plan, shared, store, ttft_s=0.2, cap=0.0)
+    await ledger.aclose()
     assert (opened.candidate.id, opened.route) == ("slow/m", "primary")
     assert fast.opened == 0
 
@@ -151,11 +154,11 @@ async def test_a_deadline_failover_is_a_rescue_counted_for_the_requested_model()
     slow, fast = Upstream("slow", ttft_s=5.0), Upstream("fast", ttft_s=0.01)
     shared, store = guards(), MemoryLatencyStore()
     plan = Plan([candidate(slow), candidate(fast, prior_ms=20)], "primary")
-    opened = await race(plan, shared, store, ttft_s=0.2)
+    opened, ledger = await race(plan, shared, store, ttft_s=0.2)
     assert opened.route == "ttft_failover"
     assert opened.hedge_for == "m"  # its sample counts as a rescue of the model asked for
     assert shared.hedges.held() == 1  # held by the committed response until it closes
-    await opened.close()
+    await ledger.aclose()
     assert shared.hedges.held() == 0
 
 
@@ -166,8 +169,8 @@ async def test_an_explored_deployment_is_raced_and_timed_even_when_it_loses() ->
     explored, lead = Upstream("away", ttft_s=0.15), Upstream("lead", ttft_s=0.01)
     shared, store = guards(), MemoryLatencyStore(min_samples=1)
     plan = Plan([candidate(explored), candidate(lead, prior_ms=20)], "budget", explore=True)
-    opened = await race(plan, shared, store, ttft_s=0.5, on_miss="hedge")
-    await opened.close()
+    opened, ledger = await race(plan, shared, store, ttft_s=0.5, on_miss="hedge")
+    await ledger.aclose()
     assert (opened.candidate.id, opened.route) == ("lead/m", "hedge")
     assert explored.opened == 1
     async with asyncio.timeout(2):

@@ -17,7 +17,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway.sim.engine import SimEngine, SimProfile
+from gateway.sim.engine import SimEngine
+from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.test_latency_e2e import count, poll_latency, tailguard

@@ -20,15 +20,10 @@ import uvicorn
 from pydantic import ValidationError
 
 from gateway.providers.vllm import parse_metrics
-from gateway.sim import (
-    SimConfigError,
-    SimConnectionReset,
-    SimEngine,
-    SimProfile,
-    create_sim_app,
-    load_profiles,
-)
-from gateway.sim.engine import apply_overrides
+from gateway.sim.engine import SimEngine
+from gateway.sim.profile import SimProfile, apply_overrides
+from gateway.sim.server import SimConfigError, create_sim_app, load_profiles
+from gateway.sim.wire import SimConnectionReset
 
 WATCHDOG_S = 10.0  # only ever reached when a test is broken; conditions are awaited, not slept on
 

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gateway.cli import app
-from gateway.sim.batching import (
+from gateway.tools.batching import (
     MODES,
     Mode,
     equal_lengths,

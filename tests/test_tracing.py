@@ -28,7 +28,8 @@ from gateway import semconv as sc
 from gateway.api import create_app
 from gateway.config import AuthSpec, Settings
 from gateway.latency import MemoryRecorder
-from gateway.sim.engine import SimEngine, SimProfile
+from gateway.sim.engine import SimEngine
+from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from gateway.telemetry import tracing_from_env
 from tests.conftest import free_port, gateway_settings, serve

@@ -22,7 +22,9 @@ import orjson
 import pytest
 
 from gateway.providers.vllm import parse_metrics
-from gateway.sim.engine import SimEngine, SimProfile, SimStats
+from gateway.sim.engine import SimEngine
+from gateway.sim.profile import SimProfile
+from gateway.sim.scheduler import SimStats
 from gateway.sim.server import create_sim_app
 from tests.conftest import free_port, gateway_settings, run_gateway, serve
 from tests.test_latency_e2e import poll_latency

@@ -27,10 +27,10 @@ import orjson
 from gateway.batching.gate import BulkGate
 from gateway.batching.queue import BatchQueue, Item, settle
 from gateway.config import BatchingSpec
-from gateway.errors import OverloadedError, ProviderError, ProviderRejectedError
+from gateway.errors import OverloadedError, ProviderError, ProviderRejectedError, inband_error
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.numbers import count as token_count
-from gateway.providers.base import Provider, UpstreamStream, decode_body, inband_error
+from gateway.providers.base import Provider, UpstreamStream, decode_body
 
 BATCHED_ENDPOINTS: tuple[Endpoint, ...] = ("embeddings", "completions")
 _PARTS = {"embeddings": "input", "completions": "prompt"}

@@ -1,29 +1,20 @@
 """The provider seam: open an upstream call, read normalized chunks, close it.
 
 An adapter translates every foreign failure (transport errors, error statuses, error bodies) into
-the `ProviderError` family here, at the edge that sees it. `ChunkStream` is shared by every
-adapter: it frames bytes into SSE events, classifies them with a wire decoder, and owns the
-upstream until its `aclose()`.
+the `ProviderError` family at the edge that sees it; an error status goes through the one table
+in `gateway.errors` (`upstream_error`). `ChunkStream` is shared by every adapter: it frames bytes
+into SSE events, classifies them with a wire decoder, and owns the upstream until its `aclose()`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway import numbers
 from gateway.config import ProviderSpec
-from gateway.errors import (
-    ProviderError,
-    ProviderRejectedError,
-    ProviderTimeoutError,
-    ProviderUnavailableError,
-    RateLimitedError,
-    scrub,
-)
-from gateway.models import Chunk, Endpoint, InBandError, SSEEvent, UpstreamRequest, Wire
+from gateway.errors import ProviderError, scrub, upstream_error
+from gateway.models import Chunk, Endpoint, SSEEvent, UpstreamRequest, Wire
 from gateway.providers.decode import (
     AnthropicStreamDecoder,
     OpenAIStreamDecoder,
@@ -225,22 +216,6 @@ class ChunkStream:
 # --- error statuses ------------------------------------------------------------------------------
 
 
-def parse_retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds to wait, from `retry-after-ms` or `retry-after` (seconds or an HTTP date), within
-    [0, a day]; None when neither holds a usable value (`inf`, `nan`, `-1`, `soon`...)."""
-    return numbers.retry_after_s(
-        headers.get("retry-after"), headers.get("retry-after-ms"), time.time()
-    )
-
-
-def _upstream_code(code: str | None) -> str | None:
-    """An upstream's error code as the client sees it: not a bare number (vLLM puts the status
-    there), and bounded, since it also lands in traces and the access log."""
-    if not code or code.isdigit():
-        return None
-    return code[:MAX_CODE_CHARS]
-
-
 def status_error(
     *,
     deployment: str,
@@ -250,95 +225,17 @@ def status_error(
     body: bytes,
     secrets: tuple[str, ...] = (),
 ) -> ProviderError:
-    """Map an upstream error response to the gateway's error vocabulary."""
+    """Map an upstream error response to the gateway's error vocabulary (`upstream_error`)."""
     parsed = anthropic_error(body) if wire == "anthropic" else openai_error(body)
     if parsed is None and wire == "openai":
         parsed = anthropic_error(body)
     detail = scrub(parsed.message, secrets)[:500] if parsed else _snippet(body, secrets)
-    return _error_for(
+    return upstream_error(
         deployment=deployment,
         status=status,
         detail=detail,
         headers=headers,
-        param=None,
         upstream_code=parsed.code if parsed else None,
-    )
-
-
-def inband_error(
-    deployment: str, error: InBandError, secrets: tuple[str, ...] = ()
-) -> ProviderError:
-    """An error the upstream put inside a 200 response or stream, before anything was sent."""
-    status = error.status if error.status and 400 <= error.status <= 599 else 500
-    if error.type in ("overloaded_error",):
-        status = 529
-    elif error.type in ("rate_limit_error",):
-        status = 429
-    return _error_for(
-        deployment=deployment,
-        status=status,
-        detail=scrub(error.message, secrets)[:500],
-        headers={},
-        param=None,
-        upstream_code=error.code,
-        inband=True,
-    )
-
-
-def _error_for(
-    *,
-    deployment: str,
-    status: int,
-    detail: str,
-    headers: Mapping[str, str],
-    param: str | None,
-    upstream_code: str | None,
-    inband: bool = False,
-) -> ProviderError:
-    where = "in-band error" if inband else f"upstream returned {status}"
-    if status == 429:
-        return RateLimitedError(
-            f"{where}: {detail}",
-            deployment=deployment,
-            retry_after_s=parse_retry_after(headers),
-            kind="inband_error" if inband else "429",
-        )
-    if status in (400, 413, 422):
-        return ProviderRejectedError(
-            detail,
-            deployment=deployment,
-            upstream_status=status,
-            param=param,
-            upstream_code=_upstream_code(upstream_code),
-        )
-    if status in (401, 403):
-        return ProviderError(
-            f"upstream rejected the gateway's credentials ({status}); check the provider's api_key",
-            deployment=deployment,
-            upstream_status=status,
-        )
-    if status == 404:
-        return ProviderError(
-            f"upstream returned 404 (unknown model or path): {detail}",
-            deployment=deployment,
-            upstream_status=status,
-        )
-    if status in (408, 504):
-        return ProviderTimeoutError(
-            f"{where}: {detail}", deployment=deployment, upstream_status=status
-        )
-    if status in (503, 529):
-        return ProviderUnavailableError(
-            f"{where}: {detail}",
-            deployment=deployment,
-            upstream_status=status,
-            kind="inband_error" if inband else None,
-        )
-    return ProviderError(
-        f"{where}: {detail}",
-        deployment=deployment,
-        upstream_status=status,
-        kind="inband_error" if inband else None,
     )
 
 

@@ -15,15 +15,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gateway.config import ProviderSpec
-from gateway.errors import ProviderError, ProviderTimeoutError, scrub
+from gateway.errors import ProviderError, ProviderTimeoutError, inband_error, scrub
 from gateway.models import Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import (
-    MAX_ERROR_BYTES,
-    ChunkStream,
-    StreamLimits,
-    inband_error,
-    status_error,
-)
+from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, StreamLimits, status_error
 from gateway.providers.decode import anthropic_error, openai_error
 
 _OPENAI_PATHS: Final[dict[Endpoint, str]] = {

@@ -12,7 +12,8 @@ from gateway.config import ProviderSpec
 from gateway.errors import ProviderError
 from gateway.models import Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import ChunkStream, StreamLimits, status_error
-from gateway.sim.engine import SimConnectionReset, SimEngine
+from gateway.sim.engine import SimEngine
+from gateway.sim.wire import SimConnectionReset
 
 _PATHS: Final[dict[Endpoint, str]] = {
     "chat": "/v1/chat/completions",

@@ -1,10 +1,11 @@
 """What a vLLM server says about its own load, read from its Prometheus `/metrics`.
 
 Scraped by a background task per server (never on the request path), every
-`metrics_interval_s`. A server whose last good scrape is older than three intervals, or whose
-metrics cannot be read, is *unknown* (not idle): routing then relies on the latency statistics
-alone. Both the current and the older metric names are read (`kv_cache_usage_perc` /
-`gpu_cache_usage_perc`, `inter_token_latency_seconds` / `time_per_output_token_seconds`).
+`metrics_interval_s`, on a `Scraper`'s HTTP session of its own. A server whose last good scrape
+is older than three intervals, or whose metrics cannot be read, is *unknown* (not idle): routing
+then relies on the latency statistics alone. Both the current and the older metric names are
+read (`kv_cache_usage_perc` / `gpu_cache_usage_perc`, `inter_token_latency_seconds` /
+`time_per_output_token_seconds`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
@@ -20,6 +22,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import numbers
+from gateway.config import ProviderSpec
 from gateway.errors import scrub
 
 logger = logging.getLogger(__name__)
@@ -235,6 +238,54 @@ async def scrape_forever(
             state.last_error = None
             state.scrapes += 1
         await asyncio.sleep(state.interval_s)
+
+
+class Scraper:
+    """The readers of vLLM servers' `/metrics`, on one HTTP session of their own.
+
+    It lives as long as the runtime: `async with Scraper()` opens the session and closes it at
+    the end. Each config generation starts a reader per vLLM provider with `watch`, stopped when
+    that generation's pools close; the session outlives the generations. A scrape sends no
+    credentials (vLLM serves `/metrics` without them).
+    """
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None  # while entered
+
+    async def __aenter__(self) -> Scraper:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ttl_dns_cache=60),
+            trust_env=False,  # a proxy in the path would be read instead of the server
+            raise_for_status=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def watch(
+        self, name: str, spec: ProviderSpec, secrets: tuple[str, ...], stack: AsyncExitStack
+    ) -> ServerState:
+        """Start reading the metrics of provider `name` (type vllm) in the background; the
+        reader stops when `stack` closes. `secrets` are scrubbed from the errors it keeps."""
+        if self._session is None:
+            raise RuntimeError("the scraper is not open")
+        assert spec.base_url is not None  # checked by the config
+        state = ServerState(spec.metrics_url or metrics_url(spec.base_url), spec.metrics_interval_s)
+        task = asyncio.create_task(
+            scrape_forever(state, self._session, secrets), name=f"vllm-{name}"
+        )
+        stack.push_async_callback(_stop, task)
+        return state
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
 
 
 def snapshot(states: Mapping[str, ServerState]) -> dict[str, dict[str, object]]:

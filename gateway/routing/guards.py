@@ -154,7 +154,7 @@ class RetryBudget:
     def __init__(self, spec: RetryBudgetSpec) -> None:
         self._share = spec.percent / 100.0
         self._floor = spec.min_concurrent
-        self.active = 0  # requests in progress
+        self.active = 0  # requests in progress (each counted by its `Ledger`)
         self.retries = 0  # failover attempts of those requests
         self.denied = 0
 

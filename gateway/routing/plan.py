@@ -162,13 +162,17 @@ def _trusted(stats: MetricStats | None, level: Level, prior_s: float | None) -> 
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """What a request must meet, and how a TTFT miss may be rescued."""
+    """What a request must meet, counted from its arrival, and how a TTFT miss may be rescued
+    (built by `deadline.budget_for`; the planner reads the figures, the race the rest)."""
 
-    ttft_s: float | None = None  # streaming only
+    ttft_s: float | None = None  # streaming only; None: no deadline, attempts run until they end
     total_s: float | None = None
     tpot_s: float | None = None  # a per-token target (`x-slo-tpot-ms`), streaming only
     on_ttft_miss: OnTTFTMiss = "failover"
     rescue_share: float = 0.2  # share of requests a successor may take over (hedge cap, retries)
+    model: str = ""  # the model the client asked for: whose rescue cap is spent
+    arrived: float = 0.0  # perf_counter time the request arrived: every budget counts from here
+    may_hedge: bool = True  # False for a client's own retry: do not multiply it
 
     @property
     def quantile(self) -> Literal["p90", "p95", "p99"]:

@@ -1,18 +1,9 @@
-"""The simulated LLM upstream: an engine (`SimEngine`) and a standalone ASGI server around it."""
+"""The simulated LLM upstream: an engine (`engine.SimEngine`) and an ASGI server around it.
 
-from __future__ import annotations
-
-from gateway.sim.engine import SimConnectionReset, SimEngine, SimProfile, SimReply, SimStats
-from gateway.sim.server import SimConfigError, create_sim_app, load_profiles, run_sim
-
-__all__ = [
-    "SimConfigError",
-    "SimConnectionReset",
-    "SimEngine",
-    "SimProfile",
-    "SimReply",
-    "SimStats",
-    "create_sim_app",
-    "load_profiles",
-    "run_sim",
-]
+Rooms: `profile` (the schema of a simulated model; a leaf the gateway's config imports), `wire`
+(request parsing, replies and errors), `planner` (model resolution and every random draw),
+`scheduler` (the batch slots and the engine's counters), `writer` (bodies and SSE frames),
+`text` (the pseudo-text), `metrics` (vLLM's `/metrics` page), `engine` (generation) and
+`server` (the ASGI app). This file imports none of them: importing the profile schema must not
+load the simulator.
+"""

@@ -22,7 +22,9 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
-from gateway.sim.engine import SimConnectionReset, SimEngine, SimProfile, SimReply
+from gateway.sim.engine import SimEngine
+from gateway.sim.profile import SimProfile
+from gateway.sim.wire import SimConnectionReset, SimReply
 
 __all__ = ["ASGIApp", "SimConfigError", "create_sim_app", "load_profiles", "run_sim"]
 

@@ -30,7 +30,7 @@ from gateway.errors import (
 from gateway.latency import MemoryLatencyStore, MemoryRecorder
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import StreamLimits, UpstreamStream
-from gateway.routing import Candidate, Plan, Policy, open_first
+from gateway.routing import Budget, Candidate, Ledger, Plan, open_first
 from gateway.routing.guards import Guards
 from gateway.validate import parse_call
 from tests.conftest import run_gateway
@@ -243,31 +243,25 @@ async def test_every_attempt_exit_gives_back_what_it_claimed(
             guards.cooldowns.failed(spec.id, ProviderError("boom", deployment=spec.id))
     clock.now += 11.0
     on_miss: OnTTFTMiss = "hedge" if mode == "hedge" else "failover"
-    policy = Policy(
-        model="model0",
-        arrived=time.perf_counter(),
+    budget = Budget(
         ttft_s=None if mode == "none" else 0.005,
         on_ttft_miss=on_miss,
-        hedge_fraction=1.0,
+        rescue_share=1.0,
+        model="model0",
+        arrived=time.perf_counter(),
     )
     call = parse_call("chat", orjson.dumps(chat("model0", stream=stream)))
-    guards.retries.active += 1  # this request, as the edge counts it
 
     async def request() -> None:
-        opened = await open_first(
-            call,
-            Plan(candidates, "primary"),
-            policy,
-            headers={},
-            recorder=MemoryRecorder(),
-            guards=guards,
-            snapshot=store.snapshot,
-            inflight=store,
+        # The request counts in the retry budget's active requests until the ledger closes.
+        ledger = Ledger(
+            call, budget, headers={}, recorder=MemoryRecorder(), guards=guards, inflight=store
         )
         try:
-            assert opened.claims is not None  # the winner's claims travel with it
+            opened = await open_first(ledger, Plan(candidates, "primary"), store.snapshot)
+            assert ledger.opened is opened  # the winner is handed to the response
         finally:
-            await opened.close()
+            await ledger.aclose()
 
     task = asyncio.create_task(request())
     if leave == "at_once":
@@ -282,7 +276,6 @@ async def test_every_attempt_exit_gives_back_what_it_claimed(
             await task
     except (GatewayError, RuntimeError, OverflowError, asyncio.CancelledError, TimeoutError):
         pass  # every way a request may end; what matters is what is left behind
-    guards.retries.active -= 1
     if upstreams.open_now:  # a cancelled request's losers finish unwinding in the background
         async with asyncio.timeout(1):
             await upstreams.all_closed.wait()
@@ -290,6 +283,7 @@ async def test_every_attempt_exit_gives_back_what_it_claimed(
     assert guards.cooldowns.probes_out() == 0, stages
     assert guards.hedges.held() == 0
     assert guards.retries.retries == 0
+    assert guards.retries.active == 0
     assert all(store.inflight(c.id) == 0 for c in candidates)
     assert upstreams.open_now == 0
     clock.now += 100.0  # past any cooldown the attempts opened: each may be tried again

@@ -1,10 +1,10 @@
 """The latency report of a running gateway, as Markdown and JSON (`tailguard report`).
 
-Built from what the gateway already serves: `GET /admin/latency` (the rolling window's
-percentiles, per prompt-size band, SLO counts, the configured budgets, the router's counters)
-and `GET /metrics` (the per-request stage histogram and the requests per deployment). Per model:
-TTFT and total time p50/p95/p99 for short and long prompts, each stage of a request against the
-budget, SLO attainment, and what the router did.
+Built from what the gateway already serves, fetched by the command: `GET /admin/latency` (the
+rolling window's percentiles, per prompt-size band, SLO counts, the configured budgets, the
+router's counters) and `GET /metrics` (the per-request stage histogram and the requests per
+deployment). Per model: TTFT and total time p50/p95/p99 for short and long prompts, each stage
+of a request against the budget, SLO attainment, and what the router did.
 
 A prompt-size class merges several bands, whose raw samples the gateway does not expose. The
 class's quantile is an upper bound computed from the bands' own quantiles and counts: the
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -36,35 +34,6 @@ _LEVELS: Final = (("p50", 0.50), ("p90", 0.90), ("p95", 0.95), ("p99", 0.99))
 _WANTED: Final = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
 DASH: Final = "—"
 Quantiles = dict[str, Any]
-
-
-# --- fetching ----------------------------------------------------------------------------------
-
-
-class FetchError(Exception):
-    """A page of the gateway could not be read; the message names the URL and why."""
-
-
-def fetch(base_url: str, path: str, *, admin_key: str | None, timeout_s: float = 5.0) -> bytes:
-    """The body of `GET {base_url}{path}`, with the admin key as a bearer token if given.
-    Raises FetchError (never with the key in it)."""
-    base = base_url if "://" in base_url else "http://" + base_url
-    target = base.rstrip("/") + path
-    headers = {"accept": "application/json, text/plain"}
-    if admin_key:
-        headers["authorization"] = f"Bearer {admin_key}"
-    try:
-        request = urllib.request.Request(target, headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body: bytes = response.read()
-            return body
-    except urllib.error.HTTPError as exc:
-        reason = f"HTTP {exc.code} {exc.reason}"
-    except urllib.error.URLError as exc:
-        reason = str(exc.reason)
-    except (OSError, ValueError) as exc:  # timeouts, resets, malformed URLs
-        reason = str(exc) or type(exc).__name__
-    raise FetchError(f"cannot read {target}: {reason}")
 
 
 # --- Prometheus text, the little of it the report reads ------------------------------------------

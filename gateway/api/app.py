@@ -1,0 +1,219 @@
+"""The app: its factory, its lifespan, and the routes the framework serves (models, admin,
+dashboard, metrics, health).
+
+Everything with a lifetime (provider clients, stores, background tasks) belongs to the `Runtime`
+the lifespan opens; a request reads its `Services` once, when admitted, so a config reload never
+changes what a request in flight uses.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.api.admit import visible_models
+from gateway.api.edge import LLM_ROUTES, EdgeMiddleware, context_of
+from gateway.api.render import http_error, unexpected_error
+from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
+from gateway.errors import GatewayError
+from gateway.latency import Recorder, TargetStats
+from gateway.openapi import build_openapi
+from gateway.providers.vllm import snapshot as vllm_snapshot
+from gateway.runtime import Runtime, Services
+from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gateway.telemetry import configure_logging, exposition
+
+
+def create_app(
+    settings: Settings,
+    *,
+    recorder: Recorder | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_path: Path | None = None,
+) -> ASGIApp:
+    """Build the gateway app for `settings`. Nothing is opened until its lifespan starts.
+
+    `environ` holds the `OTEL_*` variables tracing is configured from (default: `os.environ`).
+    With `config_path` (the file `settings` came from), the config is reloaded on SIGHUP and
+    whenever the file changes.
+    The edge middleware is the outermost layer: the LLM endpoints are served from it without
+    passing through the framework's middleware stack at all; everything else goes on to FastAPI.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        async with Runtime(
+            settings,
+            recorder=recorder,
+            environ=os.environ if environ is None else environ,
+            config_path=config_path,
+        ) as runtime:
+            yield {"runtime": runtime}
+
+    app = FastAPI(
+        title="Tailguard",
+        summary="A latency-aware LLM API gateway.",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected_error)
+    _add_routes(app)
+    # The LLM endpoints bypass the framework's routing, so their part is written by hand.
+    app.openapi = partial(build_openapi, app.openapi, settings)  # type: ignore[method-assign]
+    return EdgeMiddleware(app)
+
+
+def _services(scope: Scope) -> Services:
+    runtime: Runtime = scope["state"]["runtime"]
+    return runtime.services
+
+
+def _latency_view(services: Services) -> dict[str, Any]:
+    """The body of `GET /admin/latency`: the snapshot, cooldowns, the store's health, the
+    configured models and cumulative request counts (what the dashboard draws)."""
+    body = services.latency.snapshot.as_dict()
+    deployments = body["deployments"]
+    for deployment, until in services.guards.cooldowns.until_wall().items():
+        if deployment not in deployments:  # cooling since before the snapshot was taken
+            deployments[deployment] = TargetStats.empty().as_dict()
+        deployments[deployment]["cooldown_until"] = round(until, 3)
+    body["store"] = services.latency.health()
+    if services.servers:
+        body["vllm"] = vllm_snapshot(services.servers)
+        body["predictor"] = services.predictor.learned()
+    body["config"] = {
+        "models": [
+            {
+                "name": m.name,
+                "deployments": [d.id for d in m.deployments],
+                "fallbacks": list(m.fallbacks),
+                "budget": {"ttft_ms": m.budget.ttft_ms, "total_ms": m.budget.total_ms},
+                "on_ttft_miss": m.on_ttft_miss,
+                "hedge_max_fraction": m.hedge_max_fraction,
+            }
+            for m in services.settings.models
+        ]
+    }
+    routes: dict[str, dict[str, int]] = {}
+    for (model, route), count in services.meters.routes.items():
+        routes.setdefault(model, {})[route or "none"] = count
+    hedges: dict[str, dict[str, int]] = {}
+    for (model, result), count in services.guards.hedges.counts.items():
+        hedges.setdefault(model, {})[result] = count
+    body["counters"] = {
+        "routes": routes,
+        "hedges": hedges,
+        "cooldowns": dict(services.guards.cooldowns.opened),
+    }
+    return body
+
+
+def _add_routes(app: FastAPI) -> None:
+    class WrongMethod:
+        """POST to an LLM route is served by EdgeMiddleware; every other method lands here.
+        A plain ASGI endpoint with no method list matches them all (HEAD and OPTIONS too), so
+        none gets the router's own 405 with a list of the methods it was registered for."""
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            raise StarletteHTTPException(405, "Method Not Allowed", headers={"allow": "POST"})
+
+    for path in LLM_ROUTES:
+        app.router.routes.append(Route(path, WrongMethod(), include_in_schema=False))
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        services = _services(request.scope)
+        created = int(services.started_at)
+        principal = context_of(request.scope).principal
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "tailguard"}
+            for name in visible_models(services, principal)
+        ]
+        return Response(
+            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
+        )
+
+    @app.get("/admin/latency")
+    async def admin_latency(request: Request) -> Response:
+        services = _services(request.scope)
+        return Response(orjson.dumps(_latency_view(services)), media_type="application/json")
+
+    page = (Path(__file__).parent.parent / "static" / "dashboard.html").read_bytes()
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response(
+            page,
+            media_type="text/html; charset=utf-8",
+            headers={
+                "cache-control": "no-cache",
+                # The page talks to its own origin only and loads nothing from elsewhere.
+                "content-security-policy": "default-src 'self'; script-src 'self' "
+                "'unsafe-inline'; style-src 'self' 'unsafe-inline'; img-src 'self' data:",
+            },
+        )
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        services = _services(request.scope)
+        return Response(exposition(services.metrics), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> Response:
+        runtime: Runtime = request.scope["state"]["runtime"]
+        services = runtime.services
+        # The status is open to any probe; what is configured and how, only to those allowed.
+        detail = services.settings.server.readiness_detail
+        if detail == "admin" and services.keyring.enabled:
+            try:
+                services.keyring.admin(request.scope["headers"])
+            except GatewayError:
+                detail = "none"
+        if detail == "none":
+            return Response(b'{"status":"ready"}', media_type="application/json")
+        body = {
+            "status": "ready",
+            "providers": sorted(services.providers),
+            "models": [m.name for m in services.settings.models],
+            # Still ready when the store is degraded: requests do not depend on it.
+            "latency_store": services.latency.health(),
+            "rate_limits": runtime.limiter.health(),
+            "config": runtime.health(),
+        }
+        return Response(orjson.dumps(body), media_type="application/json")
+
+
+def create_app_from_env() -> ASGIApp:
+    """App factory for `uvicorn --factory` and worker processes: loads `$TAILGUARD_CONFIG`."""
+    configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
+    app = create_app(load_settings(), config_path=config_path())
+    tune_gc()
+    return app
+
+
+def tune_gc() -> None:
+    """Process-wide garbage-collector settings for a serving process (call once, after start-up
+    imports). The request path makes no reference cycles, so the default thresholds only buy
+    frequent full collections over the long-lived objects: 30-100 ms pauses under load. Freezing
+    what exists at start-up and raising the first threshold removes them."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)

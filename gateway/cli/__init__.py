@@ -1,0 +1,35 @@
+"""The `tailguard` command: serve the gateway, check a config, run the simulated upstream, run
+offline simulations (`simulate ...`), show a running gateway's latency statistics, and probe any
+OpenAI-compatible endpoint's latency.
+
+`app` is the typer application (one module per command or group of commands registers here);
+`main` is the console script.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from gateway.cli import bench, check, keys, probe, serve, sim, stats
+
+app = typer.Typer(
+    name="tailguard",
+    help="Tailguard: a latency-aware LLM API gateway.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+# The order of registration is the order of `tailguard --help`.
+app.command()(serve.serve)
+app.command("check-config")(check.check_config)
+app.command()(sim.sim)
+app.add_typer(sim.simulate_app)
+app.command()(stats.stats)
+app.command()(probe.probe)
+app.command()(stats.report)
+app.add_typer(keys.keys_app)
+app.add_typer(bench.bench_app)
+
+
+def main() -> None:
+    app()

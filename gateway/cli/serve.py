@@ -1,0 +1,100 @@
+"""`tailguard serve`: validate the config, then run the gateway under uvicorn."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from gateway.auth import exposed_without_keys, is_loopback
+from gateway.cli.common import ConfigOption, err, load_or_exit
+from gateway.config import CONFIG_PATH_ENV, LOG_LEVEL_ENV, config_path
+
+
+def serve(
+    config: ConfigOption = None,
+    host: Annotated[
+        str | None, typer.Option(help="Interface to bind (overrides server.host).")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Port to bind (overrides server.port).")] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Worker processes (overrides server.workers).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    allow_unauthenticated: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unauthenticated",
+            help="Listen beyond loopback with no API keys (server.allow_unauthenticated).",
+        ),
+    ] = False,
+) -> None:
+    """Start the gateway. The config is validated before the port is bound."""
+    import uvicorn
+
+    # Who may connect is decided again on every reload, in every worker: the flags that bear on
+    # it are passed on as `TAILGUARD_*` overrides, so each later load of the file sees them.
+    if host is not None:
+        os.environ["TAILGUARD_SERVER__HOST"] = host
+    if allow_unauthenticated:
+        os.environ["TAILGUARD_SERVER__ALLOW_UNAUTHENTICATED"] = "true"
+    settings = load_or_exit(config)
+    bind_host = settings.server.host
+    bind_port = settings.server.port if port is None else port
+    count = workers or settings.server.workers
+    names = ", ".join(m.name for m in settings.models)
+    keys = settings.auth is not None and settings.auth.enabled
+    if not keys:
+        if exposed_without_keys(settings):
+            err.print(
+                f"[bold red]error:[/] no API keys are configured, so the gateway only listens on "
+                f"loopback, not on {escape(bind_host)}. Configure auth.keys (see `tailguard keys "
+                "new`), or pass --allow-unauthenticated if something in front of it "
+                "authenticates.",
+                highlight=False,
+            )
+            raise typer.Exit(code=2)
+        err.print(
+            "[yellow]note:[/] no API keys configured: "
+            + (
+                "requests are not authenticated"
+                if not is_loopback(bind_host)
+                else "listening on loopback only"
+            ),
+            highlight=False,
+        )
+    err.print(
+        f"Tailguard on http://{bind_host}:{bind_port}  ({count} worker{'s' if count > 1 else ''}; "
+        f"latency store: {settings.latency.store}; models: {names}; "
+        f"API keys: {'required' if keys else 'off'})",
+        highlight=False,
+    )
+    options: dict[str, Any] = {
+        "host": bind_host,
+        "port": bind_port,
+        "loop": "uvloop",
+        # uvicorn's httptools protocol plus limits on header size and header read time.
+        "http": "gateway.protocol:GuardedHttpToolsProtocol",
+        "lifespan": "on",
+        "access_log": False,
+        "log_level": log_level,
+        # Streams still running after this are ended with an error event (see Proxy).
+        "timeout_graceful_shutdown": settings.server.shutdown_grace_s,
+        "proxy_headers": False,  # the gateway is the edge; X-Forwarded-* is not trusted blindly
+    }
+    from gateway.telemetry import configure_logging
+
+    configure_logging(log_level)
+    if count == 1:
+        from gateway.api import create_app, tune_gc
+
+        app = create_app(settings, config_path=config_path(config))
+        tune_gc()
+        uvicorn.run(app, **options)
+        return
+    # Workers are separate processes: each loads the same (already validated) file.
+    os.environ[CONFIG_PATH_ENV] = str(config_path(config).resolve())
+    os.environ[LOG_LEVEL_ENV] = log_level
+    uvicorn.run("gateway.api:create_app_from_env", factory=True, workers=count, **options)

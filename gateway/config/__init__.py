@@ -1,0 +1,68 @@
+"""Configuration: the schema (`specs`) and loading it from YAML and the environment (`settings`).
+
+The ground floor: it imports nothing of the gateway but the simulator's profile schema, a leaf.
+"""
+
+from gateway.config.settings import (
+    Settings,
+    build_settings,
+    config_path,
+    load_settings,
+    resolve_env,
+)
+from gateway.config.specs import (
+    CONFIG_PATH_ENV,
+    DEFAULT_CONFIG_PATH,
+    LOG_LEVEL_ENV,
+    AdminKeySpec,
+    AuthSpec,
+    BatchingSpec,
+    BudgetSpec,
+    BulkSpec,
+    ConfigError,
+    CooldownSpec,
+    DeploymentSpec,
+    KeySpec,
+    LatencySpec,
+    ModelSpec,
+    OnTTFTMiss,
+    Priority,
+    PriorSpec,
+    ProviderSpec,
+    ProviderType,
+    RateLimitSpec,
+    RetryBudgetSpec,
+    RoutingSpec,
+    ServerSpec,
+)
+
+__all__ = [
+    "CONFIG_PATH_ENV",
+    "DEFAULT_CONFIG_PATH",
+    "LOG_LEVEL_ENV",
+    "AdminKeySpec",
+    "AuthSpec",
+    "BatchingSpec",
+    "BudgetSpec",
+    "BulkSpec",
+    "ConfigError",
+    "CooldownSpec",
+    "DeploymentSpec",
+    "KeySpec",
+    "LatencySpec",
+    "ModelSpec",
+    "OnTTFTMiss",
+    "PriorSpec",
+    "Priority",
+    "ProviderSpec",
+    "ProviderType",
+    "RateLimitSpec",
+    "RetryBudgetSpec",
+    "RoutingSpec",
+    "ServerSpec",
+    "Settings",
+    "build_settings",
+    "config_path",
+    "load_settings",
+    "resolve_env",
+]

@@ -1,0 +1,130 @@
+"""Where one admitted call goes: candidates, the batcher swap, predictions and the plan.
+
+`decide` reads the services the request was admitted under and returns one `Decision`: the
+call, the ordered plan, the budget its attempts run under and the headers they forward. It
+never awaits, so the request keeps what it read to its end.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from gateway.config import ModelSpec
+from gateway.latency import LatencyStore
+from gateway.models import Call
+from gateway.providers.base import Provider
+from gateway.providers.vllm import ServerState
+from gateway.routing.guards import Guards
+from gateway.routing.plan import (
+    Budget,
+    Candidate,
+    Plan,
+    baseline_p50_ms,
+    by_prediction,
+    candidates,
+    plan,
+    with_exploration,
+)
+from gateway.routing.predict import TTFTPredictor, prompt_band
+
+
+class Routes(Protocol):
+    """What `decide` reads from the services a request was admitted under."""
+
+    @property
+    def chains(self) -> Mapping[str, list[ModelSpec]]: ...
+    @property
+    def providers(self) -> Mapping[str, Provider]: ...
+    @property
+    def latency(self) -> LatencyStore: ...
+    @property
+    def guards(self) -> Guards: ...
+    @property
+    def rng(self) -> random.Random: ...
+    @property
+    def servers(self) -> Mapping[str, ServerState]: ...  # vLLM load, by provider
+    @property
+    def predictor(self) -> TTFTPredictor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one call goes, and how."""
+
+    call: Call
+    plan: Plan
+    budget: Budget
+    headers: dict[str, str]  # sent upstream with every attempt (x-request-id, traceparent...)
+
+
+def decide(
+    routes: Routes,
+    call: Call,
+    spec: ModelSpec,
+    budget: Budget,
+    *,
+    headers: dict[str, str],
+    batchers: Mapping[str, Provider] | None = None,
+) -> Decision:
+    """Route an admitted call for `spec`. `batchers` (by deployment id): the micro-batch queues
+    a bulk call goes through instead of its deployment, when it is one they batch. Raises
+    InvalidRequestError when no deployment serves this kind of call, and CoolingDownError when
+    every one that does is cooling down."""
+    snapshot = routes.latency.snapshot
+    routes.latency.arrived(spec.name)  # caps on extra load are a share of client requests
+    explored = routes.guards.explorer.latest()
+    found = candidates(
+        routes.chains[spec.name], routes.providers, call, routes.rng, snapshot, explored
+    )
+    if batchers:
+        found = [replace(c, provider=batchers[c.id]) if c.id in batchers else c for c in found]
+    if routes.servers:
+        found = by_prediction(found, predictions(routes, found, call))
+    chosen = plan(found, call, budget, cooling=routes.guards.cooldowns.cooling())
+    if budget.ttft_s is not None and spec.on_ttft_miss != "none" and budget.may_hedge:
+        # A deployment routed away is now and then tried again, raced by the one that serves.
+        chosen = with_exploration(chosen, found, routes.guards.explorer.due)
+    return Decision(call, chosen, budget, headers)
+
+
+def predictions(
+    routes: Routes, found: Sequence[Candidate], call: Call
+) -> dict[str, tuple[float, float]]:
+    """Predicted TTFT (and the queue it assumes) of each vLLM candidate whose load is known."""
+    out: dict[str, tuple[float, float]] = {}
+    band = prompt_band(len(call.raw))
+    for candidate in found:
+        server = routes.servers.get(candidate.deployment.provider)
+        load = server.current() if server is not None else None
+        if load is None:
+            continue
+        # Requests this replica sent since the scrape are not in it yet: while the server was
+        # queueing, count them as queued too.
+        queue = load.waiting
+        if queue > 0:
+            queue += max(0.0, routes.latency.inflight(candidate.id) - load.running - queue)
+        stats = candidate.stats
+        # The unloaded baseline: the deployment's typical TTFT for a prompt of this size.
+        ttft_p50 = _finite_s(baseline_p50_ms(stats, len(call.raw))) if stats else None
+        if ttft_p50 is None and server is not None:
+            ttft_p50 = server.recent_ttft_p50()
+        total_p50 = _finite_s(stats.total.p50) if stats else None
+        predicted = routes.predictor.predict(
+            candidate.id,
+            band,
+            waiting=queue,
+            running=load.running,
+            ttft_p50_s=ttft_p50,
+            total_p50_s=total_p50,
+        )
+        if predicted is not None:
+            out[candidate.id] = (predicted, queue)
+    return out
+
+
+def _finite_s(ms: float | None) -> float | None:
+    """Milliseconds as seconds; None when unknown (no samples, or beyond every cut)."""
+    return ms / 1000 if ms is not None and ms != float("inf") else None

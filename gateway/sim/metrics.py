@@ -1,0 +1,243 @@
+"""vLLM's Prometheus `/metrics` page, driven by the simulator's real state.
+
+The queue gauges, an approximate KV-cache usage, the TTFT, inter-token and end-to-end histograms
+with vLLM's buckets, and the token and finished-request counters, per model name, under the
+current or the older (deprecated) names; the page can be made to fail.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+from typing import Final, Protocol
+
+from gateway.sim.profile import MetricsFault, MetricsNames
+from gateway.sim.wire import SimReply
+
+__all__ = ["METRICS_CONTENT_TYPE", "MetricsPage", "ModelMetrics"]
+
+
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), in seconds.
+TTFT_BUCKETS: Final = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS: Final = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+FINISHED_REASONS: Final = ("stop", "length", "abort")
+METRICS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Histogram:
+    """A Prometheus histogram: per-bucket counts (made cumulative when written), count, sum."""
+
+    __slots__ = ("bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        if times <= 0:
+            return
+        index = bisect.bisect_left(self.bounds, value)  # the first bound >= value: `le`
+        if index < len(self.bounds):
+            self.counts[index] += times
+        self.count += times
+        self.total += value * times
+
+    def write(self, out: list[str], name: str, labels: str) -> None:
+        running = 0
+        for bound, n in zip(self.bounds, self.counts, strict=True):
+            running += n
+            out.append(f'{name}_bucket{{{labels},le="{bound}"}} {float(running)}')
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(self.count)}')
+        out.append(f"{name}_count{{{labels}}} {float(self.count)}")
+        out.append(f"{name}_sum{{{labels}}} {self.total!r}")
+
+
+class PoolGauges(Protocol):
+    """What the page reads from a batch pool."""
+
+    running: int
+    waiting: int
+    kv_tokens: int
+    kv_capacity: int
+
+
+class ModelMetrics:
+    """vLLM's series for one served model name (over every batch pool of that name)."""
+
+    __slots__ = ("e2e", "finished", "generation_tokens", "itl", "pools", "prompt_tokens", "ttft")
+
+    def __init__(self) -> None:
+        self.pools: list[PoolGauges] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished = dict.fromkeys(FINISHED_REASONS, 0)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+
+    def first_token(self, arrived: float, prompt_tokens: int) -> None:
+        """A sequence's prefill is done and its first token out."""
+        self.ttft.observe(time.monotonic() - arrived)
+        self.prompt_tokens += prompt_tokens
+
+    def done(self, arrived: float, reason: str) -> None:
+        """A sequence finished: `stop`, `length` or `abort` (the client left, or a cut)."""
+        self.finished[reason] += 1
+        if reason != "abort":
+            self.e2e.observe(time.monotonic() - arrived)
+
+
+class MetricsPage:
+    """The page of one engine: a series per model name, served or requested so far.
+
+    The served names come first (as vLLM's --served-model-name), then every name requested, in
+    the order first seen. `names` and `fault` start from the default profile and can be changed
+    while running.
+    """
+
+    def __init__(self, served: Iterable[str], names: MetricsNames, fault: MetricsFault) -> None:
+        self.models: dict[str, ModelMetrics] = {name: ModelMetrics() for name in served}
+        self.names: MetricsNames = names
+        self.fault: MetricsFault = fault
+
+    def model(self, name: str) -> ModelMetrics:
+        """The series of `name`, added to the page the first time it is asked for."""
+        metrics = self.models.get(name)
+        if metrics is None:
+            metrics = self.models[name] = ModelMetrics()
+        return metrics
+
+    def reply(self) -> SimReply:
+        if self.fault == "error":
+            body = b"simulated failure of the metrics exporter\n"
+            return SimReply(500, {"content-type": "text/plain; charset=utf-8"}, body)
+        if self.fault == "garbage":
+            body = b"<html><body><h1>502 Bad Gateway</h1></body></html>\n"
+            return SimReply(200, {"content-type": METRICS_CONTENT_TYPE}, body)
+        return SimReply(200, {"content-type": METRICS_CONTENT_TYPE}, self.render().encode())
+
+    def render(self) -> str:
+        """vLLM's Prometheus text for every model name served or requested so far.
+
+        Labelled `model_name` and `engine="0"`, as one vLLM engine labels them. `running` holds
+        batch slots, `waiting` queues for one; `kv_cache_usage_perc` is the prompt plus generated
+        tokens of the running sequences over `max_batch x kv_tokens_per_seq` (capped at 1). TTFT
+        runs from the request's arrival to its first token, per sequence; the inter-token
+        histogram takes one decode step per token after the first; e2e, arrival to the last token
+        of a finished (not aborted) sequence. `request_success_total{finished_reason}` counts
+        `stop`, `length` and `abort` (a client that left, a cut stream); prompt tokens are
+        counted at prefill, generated ones as they are made.
+        """
+        current = self.names in ("current", "both")
+        legacy = self.names in ("legacy", "both")
+        series = [
+            (f'model_name="{_label_value(name)}",engine="0"', m) for name, m in self.models.items()
+        ]
+        out: list[str] = []
+
+        def head(name: str, kind: str, text: str) -> None:
+            out.append(f"# HELP {name} {text}")
+            out.append(f"# TYPE {name} {kind}")
+
+        def gauges(name: str, text: str, value: Callable[[ModelMetrics], float]) -> None:
+            head(name, "gauge", text)
+            out.extend(f"{name}{{{labels}}} {float(value(m))!r}" for labels, m in series)
+
+        def kv_usage(m: ModelMetrics) -> float:
+            capacity = sum(p.kv_capacity for p in m.pools)
+            return min(1.0, sum(p.kv_tokens for p in m.pools) / capacity) if capacity else 0.0
+
+        gauges(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            lambda m: sum(p.running for p in m.pools),
+        )
+        gauges(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            lambda m: sum(p.waiting for p in m.pools),
+        )
+        if legacy:
+            gauges(
+                "vllm:gpu_cache_usage_perc",
+                "GPU KV-cache usage. 1 means 100 percent usage."
+                "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+                kv_usage,
+            )
+        if current:
+            gauges(
+                "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage
+            )
+        for name, text, attr in (
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+            (
+                "vllm:generation_tokens",
+                "Number of generation tokens processed.",
+                "generation_tokens",
+            ),
+        ):
+            head(name, "counter", text)
+            out.extend(
+                f"{name}_total{{{labels}}} {float(getattr(m, attr))!r}" for labels, m in series
+            )
+        head("vllm:request_success", "counter", "Count of successfully processed requests.")
+        for labels, m in series:
+            out.extend(
+                f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {float(n)!r}'
+                for reason, n in m.finished.items()
+            )
+        histograms: list[tuple[str, str, Callable[[ModelMetrics], Histogram]]] = [
+            (
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                lambda m: m.ttft,
+            ),
+        ]
+        if legacy:
+            histograms.append(
+                (
+                    "vllm:time_per_output_token_seconds",
+                    "Histogram of time per output token in seconds."
+                    "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+                    lambda m: m.itl,
+                )
+            )
+        if current:
+            histograms.append(
+                (
+                    "vllm:inter_token_latency_seconds",
+                    "Histogram of inter-token latency in seconds.",
+                    lambda m: m.itl,
+                )
+            )
+        histograms.append(
+            (
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                lambda m: m.e2e,
+            )
+        )
+        for name, text, pick in histograms:
+            head(name, "histogram", text)
+            for labels, m in series:
+                pick(m).write(out, name, labels)
+        out.append("")
+        return "\n".join(out)
+
+
+def _label_value(value: str) -> str:
+    """A Prometheus label value, escaped (backslash, double quote, newline)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

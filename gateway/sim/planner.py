@@ -1,0 +1,207 @@
+"""The request planner: model names resolved to a deployment, and every random draw of a request.
+
+Faults (429, 500, resets, stalls, cut streams, in-band errors) are drawn per request at the
+profile's rates, and each sequence's length, prefill and first word before any time passes.
+Every draw comes from one seeded RNG in arrival order, so a run is reproducible; a request's own
+integer `seed` makes each choice's text a function of (seed, prompt) alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+import orjson
+
+from gateway.sim.metrics import MetricsPage
+from gateway.sim.profile import SimProfile, apply_overrides
+from gateway.sim.scheduler import Pool, SimStats
+from gateway.sim.text import TOKENS
+from gateway.sim.wire import (
+    BadRequestError,
+    SimConnectionReset,
+    SimReply,
+    rate_limited_reply,
+    server_error_reply,
+)
+
+__all__ = ["Deployments", "Plan", "Planner", "Target", "seeded"]
+
+_OVERRIDE_CACHE_SIZE: Final = 1024
+
+
+@dataclass(slots=True, frozen=True)
+class Target:
+    """A model name resolved once: its profile and the deployment (batch pool) it runs on."""
+
+    profile: SimProfile
+    pool: Pool
+    model_json: bytes  # the model name as a JSON string, ready to splice into chunks
+    prefill_base_s: float
+    prefill_per_token_s: float
+    step_s: float  # one decode step with the batch empty; 0: no decode delay
+
+
+@dataclass(slots=True)
+class Plan:
+    """Everything drawn for one generated sequence, before any time passes.
+
+    A request generates one sequence per choice (several for a list of prompts, or `n` > 1); each
+    takes its own batch slot. `stall_s` and `cut` belong to the request: its sequences share them.
+    """
+
+    target: Target
+    prompt_tokens: int
+    n: int  # output tokens
+    finish_reason: str
+    offset: int  # first word of the pseudo-text
+    stall_s: float
+    ttft_s: float  # prefill (with tail) plus any slow-request stall
+    cut: bool
+    arrived: float  # time.monotonic() when the request was read: TTFT and e2e run from here
+
+
+class Deployments:
+    """Model names resolved to targets: one simulated deployment per name and batch size.
+
+    `name@key=value,key=lo-hi` runs `name`'s profile (or the default) with fields replaced; a
+    name is resolved once (up to a cache size), and its first use adds it to the metrics page.
+    """
+
+    def __init__(
+        self,
+        profiles: Mapping[str, SimProfile],
+        default: SimProfile,
+        stats: SimStats,
+        page: MetricsPage,
+    ) -> None:
+        self._profiles = profiles
+        self._default = default
+        self._stats = stats
+        self._page = page
+        self._pools: dict[tuple[str, int], Pool] = {}
+        self.resolve = functools.lru_cache(maxsize=_OVERRIDE_CACHE_SIZE)(self._resolve_uncached)
+
+    def _resolve_uncached(self, model: str) -> Target:
+        """`name` or `name@key=value,key=lo-hi`: a profile, with fields replaced for this name."""
+        name, _, spec = model.rpartition("@")
+        if not name or "=" not in spec:  # an "@" without overrides belongs to the name
+            name, spec = model, ""
+        profile = self._profiles.get(name, self._default)
+        if spec:
+            try:
+                profile = apply_overrides(profile, spec)
+            except ValueError as exc:
+                raise BadRequestError(f"bad override in model {model!r}: {exc}", "model") from None
+        pool_key = (name, profile.max_batch)
+        pool = self._pools.get(pool_key)
+        if pool is None:
+            pool = self._pools[pool_key] = Pool(
+                profile.max_batch, self._stats, self._page.model(name), profile.kv_tokens_per_seq
+            )
+        return Target(
+            profile=profile,
+            pool=pool,
+            model_json=orjson.dumps(model),
+            prefill_base_s=profile.prefill_base_ms / 1000,
+            prefill_per_token_s=profile.prefill_ms_per_token / 1000,
+            step_s=1 / profile.tokens_per_s if profile.tokens_per_s else 0.0,
+        )
+
+
+def seeded(seed: int, key: bytes, choice: int) -> random.Random:
+    """The RNG of one choice's text under a request seed: a function of (seed, prompt, choice).
+
+    It draws the output length and the first word, so a prompt gets the same text alone or inside
+    a batch of prompts, whatever else the engine has drawn before.
+    """
+    digest = hashlib.blake2b(b"%d\x00%d\x00" % (seed, choice) + key, digest_size=8).digest()
+    return random.Random(int.from_bytes(digest, "little"))
+
+
+class Planner:
+    """The engine's one seeded RNG, and every draw made from it.
+
+    The fault draws also count the request and its fault in the engine's `stats`.
+    """
+
+    def __init__(self, seed: int | None, stats: SimStats) -> None:
+        self._rng = random.Random(seed)
+        self._stats = stats
+        # The first draw: response ids differ between engines (and between seeds).
+        self.id_prefix = f"{self._rng.getrandbits(32):08x}"
+
+    def _hit(self, rate: float) -> bool:
+        return rate > 0 and self._rng.random() < rate
+
+    def early_fault(self, profile: SimProfile) -> SimReply | None:
+        """Draw the faults that answer at once; raise for a reset. Counts the request."""
+        stats = self._stats
+        stats.requests += 1
+        stats.changed()
+        if self._hit(profile.reset_rate):
+            stats.faults += 1
+            stats.changed()
+            raise SimConnectionReset("simulated connection reset before headers")
+        if self._hit(profile.error_429_rate):
+            stats.faults += 1
+            return rate_limited_reply(profile.retry_after_s)
+        if self._hit(profile.error_500_rate):
+            stats.faults += 1
+            return server_error_reply()
+        return None
+
+    def inband(self, profile: SimProfile) -> bool:
+        """Draw whether the request answers 200 with an error object (counted as a fault)."""
+        if not self._hit(profile.inband_error_rate):
+            return False
+        self._stats.faults += 1
+        return True
+
+    def stall_and_cut(self, profile: SimProfile) -> tuple[float, bool]:
+        """The request's stall (s, or 0) and whether its connection is cut."""
+        stall_s = profile.stall_ms / 1000 if self._hit(profile.stall_rate) else 0.0
+        return stall_s, self._hit(profile.cut_rate)
+
+    def _ms(self, value: float | tuple[float, float]) -> float:
+        if isinstance(value, tuple):
+            return self._rng.uniform(*value)
+        return value
+
+    def plan(
+        self,
+        target: Target,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        *,
+        text: random.Random | None = None,
+        request: Plan | None = None,
+    ) -> Plan:
+        """Draw one sequence. `text` (a seeded RNG) draws its length and words instead of the
+        engine; `request` is the request's first sequence, whose stall and cut it shares."""
+        profile, rng = target.profile, self._rng
+        words = rng if text is None else text
+        natural = profile.output_tokens
+        if isinstance(natural, tuple):
+            natural = words.randint(*natural)
+        n, finish = natural, "stop"
+        if max_tokens is not None and max_tokens < natural:
+            n, finish = max_tokens, "length"
+        ttft_s = target.prefill_base_s + prompt_tokens * target.prefill_per_token_s
+        if ttft_s and profile.ttft_tail == "lognormal" and profile.ttft_sigma:
+            ttft_s *= rng.lognormvariate(0.0, profile.ttft_sigma)
+        if self._hit(profile.slow_rate):
+            ttft_s += self._ms(profile.slow_ms) / 1000
+        if request is None:
+            stall_s = profile.stall_ms / 1000 if self._hit(profile.stall_rate) else 0.0
+            cut = self._hit(profile.cut_rate)
+        else:
+            stall_s, cut = request.stall_s, request.cut
+        offset = words.randrange(len(TOKENS))
+        arrived = time.monotonic() if request is None else request.arrived
+        return Plan(target, prompt_tokens, n, finish, offset, stall_s, ttft_s, cut, arrived)

@@ -1,0 +1,1 @@
+"""Product tools off the request path: the probe, the benchmarks, the course exercises."""
