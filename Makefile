@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+TEST_WORKERS ?= 3
 
 .PHONY: run test check format bench docs docs-serve install clean
 
@@ -18,8 +19,8 @@ install: $(STAMP)
 run: $(STAMP)  ## start the gateway on config/gateway.yaml (simulated models, no keys)
 	$(BIN)/tailguard serve $(ARGS)
 
-test: $(STAMP)  ## the whole suite
-	$(BIN)/pytest $(PYTEST_ARGS)
+test: $(STAMP)  ## the whole suite, in parallel workers (most tests wait on sockets, not the CPU)
+	$(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 check: $(STAMP)  ## format, lint, types, and the docs (generated pages current, strict build)
 	$(BIN)/ruff format --check gateway tests bench

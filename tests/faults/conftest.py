@@ -29,6 +29,7 @@ __all__ = [
     "MESSAGES",
     "chat",
     "client",
+    "http_client",
     "loop_watchdog",
     "no_leaks",
     "pytest_runtest_call",
@@ -109,6 +110,12 @@ async def sdk(gw: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
     )
     async with made as client:
         yield client
+
+
+async def http_client(**options: Any) -> httpx.AsyncClient:
+    """An httpx client made off the loop: making one loads the CA bundle (a blocking read and
+    parse of ~200 KB), which the watchdog would rightly charge to the test's loop."""
+    return await asyncio.to_thread(httpx.AsyncClient, **options)
 
 
 async def settled(*upstreams: str, at_most: int = 0, gateway: str | None = None) -> None:

@@ -28,7 +28,7 @@ from gateway.api import LLM_ROUTES
 from gateway.auth import hash_key
 from gateway.config import Settings
 from tests.conftest import Gateway, free_port, gateway_settings, run_gateway
-from tests.faults.conftest import settled
+from tests.faults.conftest import http_client, settled
 from tests.faults.leaks import fd_count, links, port_of, settle
 from tests.test_operations import TAILGUARD, config, gateway_from, write
 
@@ -495,7 +495,7 @@ async def served_by_cli(path: Path, *flags: str) -> AsyncIterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        async with httpx.AsyncClient(timeout=1) as probe:
+        async with await http_client(timeout=1) as probe:
 
             async def up() -> bool:
                 assert process.poll() is None, "the gateway exited"
