@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -104,6 +104,7 @@ except ImportError:
 
 from gateway.auth import hash_key
 from gateway.sketch import nearest_rank
+from gateway.tools.load import run_async
 from gateway.tools.stack import Stack, free_port, start_gateway
 
 SOAK_KEY = "tg-soak-key"
@@ -1029,14 +1030,6 @@ def report(result: dict[str, Any], opts: Options) -> bool:
 
 
 # --- entry point ---------------------------------------------------------------------------------
-
-
-def run_async(coro: Coroutine[Any, Any, Run]) -> Run:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def parse_args(argv: Sequence[str] | None) -> Options:

@@ -7,7 +7,7 @@ import json
 import os
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich import box
@@ -39,13 +39,7 @@ def stats(
             f"snapshot age {snapshot['age_s']:.1f} s; latencies in ms"
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        err.print(
-            f"error: {_latency_url(url)}: unexpected answer ({exc!r})",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(code=1) from None
+        _unexpected_answer(url, exc)
     out = Console()
     if not out.is_terminal:  # piped: print whole rows rather than squeeze them into 80 columns
         wide = out.options.update_width(10_000)
@@ -53,6 +47,17 @@ def stats(
     out.print(header, highlight=False, markup=False)
     for table in tables:
         out.print(table)
+
+
+def _unexpected_answer(url: str, exc: Exception) -> NoReturn:
+    """The admin page answered, but not with what `stats` and `report` read: say so and exit 1."""
+    err.print(
+        f"error: {_latency_url(url)}: unexpected answer ({exc!r})",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    raise typer.Exit(code=1) from None
 
 
 def _latency_url(url: str) -> str:
@@ -260,13 +265,7 @@ def report(
             long_from_kib=long_from_kib,
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        err.print(
-            f"error: {_latency_url(url)}: unexpected answer ({exc!r})",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(code=1) from None
+        _unexpected_answer(url, exc)
     unknown = sorted(set(model or ()) - set(data["models"]))
     if unknown:
         err.print(
