@@ -134,7 +134,7 @@ class HTTPProvider:
         self.address = urlsplit(spec.base_url).hostname
         self.bulk_priority = spec.bulk_priority
         self.limits = StreamLimits.of(spec)
-        self.session = session  # also used to read a vLLM server's /metrics
+        self.session = session
         base = spec.base_url.rstrip("/")
         paths = _ANTHROPIC_PATHS if self.wire == "anthropic" else _OPENAI_PATHS
         self._urls = {endpoint: base + path for endpoint, path in paths.items()}
