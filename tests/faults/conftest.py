@@ -9,8 +9,8 @@ its own to what a test counts.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -92,30 +92,36 @@ def routed(
     return gateway_settings(providers, models, **extra)
 
 
-# HTTP clients load the system's CA certificates when they are made (~80 ms of file reading):
-# they are made off the event loop.
+# Making an HTTP client loads and parses the system's CA bundle (~200 KB): tens of ms holding
+# the GIL on whichever thread makes it, so even a client made in a worker thread stalls the
+# loop. Every client here speaks plain HTTP on loopback: they share one context, built once at
+# import, before any test's loop runs.
+LOOPBACK_TLS = ssl.create_default_context()
+httpx.AsyncClient(verify=LOOPBACK_TLS)  # the first client made pays ~20 ms of one-off set-up
+
+
+def http_client(**options: Any) -> httpx.AsyncClient:
+    """An httpx client that loads no certificates when it is made."""
+    return httpx.AsyncClient(verify=LOOPBACK_TLS, **options)
 
 
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with await asyncio.to_thread(httpx.AsyncClient, timeout=10) as http:
+    async with http_client(timeout=10) as http:
         yield http
 
 
 @asynccontextmanager
 async def sdk(gw: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
     """The official client, without its own retries (the gateway's behaviour is under test)."""
-    made = await asyncio.to_thread(
-        openai.AsyncOpenAI, base_url=gw.base_url, api_key="unused", max_retries=0, timeout=10
+    made = openai.AsyncOpenAI(
+        base_url=gw.base_url,
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultAsyncHttpxClient(verify=LOOPBACK_TLS, timeout=10),
     )
     async with made as client:
         yield client
-
-
-async def http_client(**options: Any) -> httpx.AsyncClient:
-    """An httpx client made off the loop: making one loads the CA bundle (a blocking read and
-    parse of ~200 KB), which the watchdog would rightly charge to the test's loop."""
-    return await asyncio.to_thread(httpx.AsyncClient, **options)
 
 
 async def settled(*upstreams: str, at_most: int = 0, gateway: str | None = None) -> None:

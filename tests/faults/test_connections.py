@@ -72,7 +72,7 @@ async def gw() -> AsyncIterator[Gateway]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with await asyncio.to_thread(httpx.AsyncClient, timeout=10) as client:
+    async with http_client(timeout=10) as client:
         yield client
 
 
@@ -495,7 +495,7 @@ async def served_by_cli(path: Path, *flags: str) -> AsyncIterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        async with await http_client(timeout=1) as probe:
+        async with http_client(timeout=1) as probe:
 
             async def up() -> bool:
                 assert process.poll() is None, "the gateway exited"

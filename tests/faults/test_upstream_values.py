@@ -299,7 +299,7 @@ async def test_lying_content_length(upstream: Upstream, declared: str, status: i
         settings = settings_for(up.url, fallback=upstream.base_url)
         async with (
             run_gateway(settings) as gw,
-            await http_client(base_url=gw.base_url, timeout=10) as http,
+            http_client(base_url=gw.base_url, timeout=10) as http,
         ):
             for stream in (False, True):
                 served = await http.post(
@@ -408,7 +408,7 @@ async def test_usage_json_cannot_hold_is_a_clean_failover(
         settings = settings_for(up.url, fallback=upstream.base_url)
         async with (
             run_gateway(settings) as gw,
-            await http_client(base_url=gw.base_url, timeout=10) as http,
+            http_client(base_url=gw.base_url, timeout=10) as http,
         ):
             served = await http.post("/chat/completions", json={"model": "m", **CHAT})
             alone = await http.post("/chat/completions", json={"model": "solo", **CHAT})
@@ -536,7 +536,7 @@ class Scrape:
 
 
 async def metrics(gw: Gateway) -> Scrape:
-    async with await http_client(timeout=10) as http:
+    async with http_client(timeout=10) as http:
         response = await http.get(gw.url + "/metrics")
     assert response.status_code == 200
     return Scrape(response.text)
@@ -612,7 +612,7 @@ async def test_metric_series_stay_bounded_whatever_comes_from_outside() -> None:
         settings = settings_for(up.url)
         async with (
             run_gateway(settings) as gw,
-            await http_client(base_url=gw.base_url, timeout=10) as http,
+            http_client(base_url=gw.base_url, timeout=10) as http,
         ):
             await traffic(http, range(7 * len(STATUSES)))  # every kind with every status
             await settled(up.url)
@@ -658,7 +658,7 @@ async def test_finish_reasons_of_any_json_type(reason: bytes, ingress: str) -> N
             )
 
     async with RawUpstream(script) as up, run_gateway(settings_for(up.url)) as gw:
-        async with await http_client(base_url=gw.base_url, timeout=10) as http:
+        async with http_client(base_url=gw.base_url, timeout=10) as http:
             for stream in (False, True):
                 request = {"model": "solo", **CHAT, "stream": stream, "max_tokens": 5}
                 response = await http.post(ingress, json=request)
@@ -697,7 +697,7 @@ async def test_upstream_strings_in_spans_are_bounded() -> None:
             recorder=MemoryRecorder(),
             environ={"OTEL_EXPORTER_OTLP_ENDPOINT": collector},
         )
-        async with serve(app) as url, await http_client(base_url=url + "/v1", timeout=10) as http:
+        async with serve(app) as url, http_client(base_url=url + "/v1", timeout=10) as http:
             refused = await http.post(
                 "/chat/completions", json={"model": "solo", **CHAT, "user": "code"}
             )
