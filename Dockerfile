@@ -55,7 +55,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
  && tailguard --help > /dev/null
 
 # The embedded default config (in-process simulated models, no keys) and the documented examples.
-COPY config/gateway.yaml /etc/tailguard/gateway.yaml
+COPY gateway/config/gateway.yaml /etc/tailguard/gateway.yaml
 COPY config/examples/ /etc/tailguard/examples/
 
 USER 10001:10001

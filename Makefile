@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-run: $(STAMP)  ## start the gateway on config/gateway.yaml (simulated models, no keys)
+run: $(STAMP)  ## start the gateway on the default config (simulated models, no keys)
 	$(BIN)/tailguard serve $(ARGS)
 
 test: $(STAMP)  ## the whole suite, in parallel workers (most tests wait on sockets, not the CPU)

@@ -8,8 +8,11 @@ OpenAI-compatible endpoint's latency.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
+from gateway import __version__
 from gateway.cli import bench, check, keys, probe, serve, sim, stats
 
 app = typer.Typer(
@@ -18,7 +21,28 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tailguard {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Tailguard: a latency-aware LLM API gateway."""
+
+
 # The order of registration is the order of `tailguard --help`.
 app.command()(serve.serve)
 app.command("check-config")(check.check_config)

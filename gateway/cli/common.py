@@ -21,7 +21,10 @@ DEFAULT_GATEWAY_URL = "http://127.0.0.1:8080"
 ConfigOption = Annotated[
     Path | None,
     typer.Option(
-        "--config", "-c", help=f"Config file (default: ${CONFIG_PATH_ENV} or config/gateway.yaml)."
+        "--config",
+        "-c",
+        help=f"Config file (default: ${CONFIG_PATH_ENV}, else ./config/gateway.yaml, else the "
+        "packaged defaults).",
     ),
 ]
 

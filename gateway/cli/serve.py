@@ -68,8 +68,9 @@ def serve(
     err.print(
         f"Tailguard on http://{bind_host}:{bind_port}  ({count} worker{'s' if count > 1 else ''}; "
         f"latency store: {settings.latency.store}; models: {names}; "
-        f"API keys: {'required' if keys else 'off'})",
+        f"API keys: {'required' if keys else 'off'})\nconfig: {escape(str(config_path(config)))}",
         highlight=False,
+        soft_wrap=True,  # a log line: never folded at 80 columns, so a path stays whole
     )
     options: dict[str, Any] = {
         "host": bind_host,

@@ -4,6 +4,7 @@ The ground floor: it imports nothing of the gateway but the simulator's profile 
 """
 
 from gateway.config.settings import (
+    PACKAGED_CONFIG,
     Settings,
     build_settings,
     config_path,
@@ -40,6 +41,7 @@ __all__ = [
     "CONFIG_PATH_ENV",
     "DEFAULT_CONFIG_PATH",
     "LOG_LEVEL_ENV",
+    "PACKAGED_CONFIG",
     "AdminKeySpec",
     "AuthSpec",
     "BatchingSpec",

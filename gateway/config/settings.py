@@ -182,9 +182,18 @@ def _item_label(item: object, index: int) -> str:
     return f"[{index}]"
 
 
+# The embedded defaults ship inside the package, so `tailguard serve` works from any directory.
+PACKAGED_CONFIG = Path(__file__).with_name("gateway.yaml")
+
+
 def config_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """The file to load: the argument, else `$TAILGUARD_CONFIG`, else config/gateway.yaml."""
-    return Path(path or os.environ.get(CONFIG_PATH_ENV) or DEFAULT_CONFIG_PATH)
+    """The file to load: the argument, else `$TAILGUARD_CONFIG`, else `config/gateway.yaml` in
+    the working directory when there is one, else the packaged defaults."""
+    chosen = path or os.environ.get(CONFIG_PATH_ENV)
+    if chosen:
+        return Path(chosen)
+    local = Path(DEFAULT_CONFIG_PATH)
+    return local if local.is_file() else PACKAGED_CONFIG
 
 
 def load_settings(
