@@ -208,7 +208,12 @@ async def test_a_key_sees_and_uses_only_its_models(upstream: Upstream) -> None:
         with pytest.raises(openai.NotFoundError) as unknown:
             await limited.chat.completions.create(model="nope", messages=CHAT)
         everything = [m.id async for m in full.models.list()]
+        assert (await full.models.retrieve("other")).id == "other"
+        with pytest.raises(openai.NotFoundError) as hidden:
+            await limited.models.retrieve("other")  # exists, but not for this key
     assert listed == ["m", "stall"]
+    assert hidden.value.code == "model_not_found"
+    assert "other" not in hidden.value.message.split("Available models:")[1]
     assert sorted(everything) == ["m", "other", "stall"]
     assert denied.value.code == "model_not_allowed"
     assert "other" not in unknown.value.message.split("Available models:")[1]

@@ -110,6 +110,32 @@ async def test_models_list(client: openai.AsyncOpenAI) -> None:
     assert models == ["chat", "embed"]
 
 
+async def test_models_retrieve(client: openai.AsyncOpenAI) -> None:
+    """models.retrieve answers for a configured name, in the list's shape, and raises the SDK's
+    NotFoundError (with the names there are) for any other."""
+    model = await client.models.retrieve("embed")
+    listed = [m async for m in client.models.list()]
+    assert model == next(m for m in listed if m.id == "embed")
+    assert (model.object, model.owned_by) == ("model", "tailguard")
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.models.retrieve("nope")
+    assert missing.value.code == "model_not_found"
+    assert "Available models: chat, embed." in missing.value.message
+
+
+async def test_an_unknown_endpoint_says_what_is_served(client: openai.AsyncOpenAI) -> None:
+    """A path under /v1/ the gateway does not serve is a 404 that names it and lists the ones
+    it does, so it cannot be mistaken for an unknown model."""
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.post("/batches", body={}, cast_to=object)
+    message = missing.value.message
+    assert "POST '/v1/batches'" in message
+    served = message.split("are: ")[1].rstrip(".").split(", ")
+    for path in ("/v1/chat/completions", "/v1/embeddings", "/v1/messages", "/v1/models/{model_id}"):
+        assert path in served
+    assert missing.value.code == "not_found"
+
+
 async def test_errors_become_sdk_exceptions(client: openai.AsyncOpenAI) -> None:
     """Gateway errors map onto the SDK's exception classes with code and param."""
     with pytest.raises(openai.NotFoundError) as missing:

@@ -25,9 +25,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.admit import visible_models
 from gateway.api.edge import LLM_ROUTES, EdgeMiddleware, context_of
-from gateway.api.render import http_error, unexpected_error
+from gateway.api.render import error_response, http_error, unexpected_error
 from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UnknownModelError, quote
 from gateway.latency import Recorder, TargetStats
 from gateway.openapi import build_openapi
 from gateway.providers.vllm import snapshot as vllm_snapshot
@@ -122,6 +122,16 @@ def _latency_view(services: Services) -> dict[str, Any]:
     return body
 
 
+def _model(services: Services, name: str) -> dict[str, Any]:
+    """A model name as the OpenAI wire spells it (`GET /v1/models`, `/v1/models/{id}`)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(services.started_at),
+        "owned_by": "tailguard",
+    }
+
+
 def _add_routes(app: FastAPI) -> None:
     class WrongMethod:
         """POST to an LLM route is served by EdgeMiddleware; every other method lands here.
@@ -137,15 +147,28 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         services = _services(request.scope)
-        created = int(services.started_at)
         principal = context_of(request.scope).principal
-        data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "tailguard"}
-            for name in visible_models(services, principal)
-        ]
+        data = [_model(services, name) for name in visible_models(services, principal)]
         return Response(
             orjson.dumps({"object": "list", "data": data}), media_type="application/json"
         )
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        responses={404: {"description": "No model of that name for this key (`model_not_found`)."}},
+    )
+    async def retrieve_model(request: Request, model_id: str) -> Response:
+        services = _services(request.scope)
+        # Scoped to the key: a model it may not use is as unknown to it as one not configured.
+        visible = visible_models(services, context_of(request.scope).principal)
+        if model_id not in visible:
+            missing = UnknownModelError(
+                f"The model {quote(model_id)} does not exist. Available models: "
+                f"{', '.join(visible)}.",
+                param="model",
+            )
+            return error_response(missing, "openai")
+        return Response(orjson.dumps(_model(services, model_id)), media_type="application/json")
 
     @app.get("/admin/latency")
     async def admin_latency(request: Request) -> Response:

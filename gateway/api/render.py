@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Send
 
-from gateway.errors import GatewayError, render
+from gateway.errors import GatewayError, quote, render
 from gateway.models import Wire
 
 log = logging.getLogger("tailguard")
@@ -53,14 +53,29 @@ async def send_error(send: Send, error: GatewayError, wire: Wire, request_id: st
 async def http_error(request: Request, exc: Exception) -> Response:
     """The framework's own refusals (an unknown path, a wrong method), in the gateway's shape."""
     assert isinstance(exc, StarletteHTTPException)
+    message = str(exc.detail)
+    path = request.url.path
+    if exc.status_code == 404 and path.startswith("/v1/"):
+        # "Not Found" alone reads as "model not found": name the endpoint and what is served.
+        served = sorted(
+            {
+                p
+                for route in request.app.routes
+                if (p := getattr(route, "path_format", "")).startswith("/v1/")
+            }
+        )
+        message = (
+            f"There is no endpoint {request.method} {quote(path)}. "
+            f"The endpoints under /v1/ are: {', '.join(served)}."
+        )
     error = GatewayError(
-        str(exc.detail),
+        message,
         code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error"),
         headers=exc.headers,  # a 405's `allow`
     )
     error.status = exc.status_code
     error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return error_response(error, wire_of(request.url.path))
+    return error_response(error, wire_of(path))
 
 
 async def unexpected_error(request: Request, exc: Exception) -> Response:
