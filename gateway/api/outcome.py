@@ -225,7 +225,7 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
 
 def _judge(outcome: RequestOutcome, decision: Decision, now: float) -> dict[str, bool]:
     """Whether the request met each budget it had, counted for the model asked for and the
-    deployment that served (see README, "SLO attainment"); the verdicts, for the span and
+    deployment that served (see docs/routing.md, "SLO attainment"); the verdicts, for the span and
     the access log.
 
     TTFT (streams): the first content token, from arrival, within the budget. Total: a
