@@ -9,8 +9,10 @@
     ├── HeadersTooLargeError          431 invalid_request_error
     ├── KeyRateLimitedError           429 requests | tokens, code rate_limit_exceeded (retry-after)
     ├── UnknownModelError             404 invalid_request_error, code model_not_found
+    ├── NotFoundError                 404 invalid_request_error (a stored response, for this key)
     ├── OverloadedError               503 (retry-after)
     │   └── CoolingDownError          503 every candidate deployment is in cooldown
+    ├── StoreUnavailableError         503 the stored responses cannot be read right now
     ├── BudgetExceededError           504 the total budget ran out before commit
     ├── StreamInterruptedError        in-band only: the upstream failed after the first byte
     ├── ProviderError                 502 one upstream attempt failed before commit (retryable)
@@ -107,6 +109,12 @@ class UnknownModelError(GatewayError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 
 
+class NotFoundError(GatewayError):
+    """Something the request names (a stored response) does not exist for this caller."""
+
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
 class OverloadedError(GatewayError):
     status, type, code = 503, "server_error", "overloaded"
 
@@ -121,6 +129,16 @@ class CoolingDownError(OverloadedError):
     """Every deployment that could serve the request is in cooldown after failures."""
 
     code = "deployments_cooling_down"
+
+
+class StoreUnavailableError(GatewayError):
+    """The store of Responses API responses could not be read or written in time (Redis down
+    or slow); the request was not sent upstream."""
+
+    status, type, code = 503, "server_error", "store_unavailable"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param, headers={"retry-after": "1"})
 
 
 class BudgetExceededError(GatewayError):

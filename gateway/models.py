@@ -12,9 +12,9 @@ from typing import Any, Literal
 Wire = Literal["openai", "anthropic"]
 """A wire format: how a request, response or stream is spelled."""
 
-Endpoint = Literal["chat", "completions", "embeddings", "messages"]
+Endpoint = Literal["chat", "completions", "embeddings", "messages", "responses"]
 """What the client asked for: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`,
-`/v1/messages` (Anthropic)."""
+`/v1/messages` (Anthropic), `/v1/responses` (OpenAI's Responses API)."""
 
 MAX_JSON_DEPTH = 128
 """How deeply a request body may nest (the body object is level 1). orjson serialises at most
@@ -26,6 +26,7 @@ ENDPOINT_WIRE: dict[Endpoint, Wire] = {
     "completions": "openai",
     "embeddings": "openai",
     "messages": "anthropic",
+    "responses": "openai",  # its errors are OpenAI's; its stream is its own (see translate.events)
 }
 
 
@@ -36,6 +37,7 @@ class Usage:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None  # of the input tokens, read from the upstream's prompt cache
+    cache_write_tokens: int | None = None  # of the input tokens, written to its prompt cache
 
 
 @dataclass(slots=True)

@@ -119,7 +119,8 @@ def build_openapi(base: Callable[[], Document], settings: Settings | None = None
         components["schemas"]["ModelName"]["enum"] = [m.name for m in settings.models]
     components["parameters"]["Priority"]["schema"]["enum"] = list(get_args(Priority))
     components["headers"]["Route"]["schema"]["enum"] = list(get_args(Route))
-    components["responses"] = _error_responses()
+    # The file's own responses (a route's particular answers) and one per error status and wire.
+    components["responses"] = components.get("responses", {}) | _error_responses()
     merged = document.setdefault("components", {})
     for section, entries in components.items():
         merged.setdefault(section, {}).update(entries)
@@ -143,6 +144,7 @@ def build_openapi(base: Callable[[], Document], settings: Settings | None = None
                 known.update(operation)  # keeps the framework's summary and operationId
             elif method == "post":
                 paths.setdefault(path, {})[method] = operation
+    _add_count_operations(document, keys)
     return document
 
 
@@ -200,3 +202,158 @@ def _header(name: str) -> Document:
 
 def _response_ref(errors: str, status: int) -> Document:
     return {"$ref": f"#/components/responses/{errors}{status}"}
+
+
+# --- the token-counting endpoints ----------------------------------------------------------------
+
+# Statuses a counting endpoint answers besides 200: no upstream failure is among them (every
+# counter failing gives the estimate), nor a rate limit (counting is not charged).
+_COUNT_STATUSES: Final = (400, 401, 403, 404, 408, 413, 422, 431, 500, 503)
+_COUNT_SCHEMAS: Final[Document] = {
+    "CountTokensRequest": {
+        "type": "object",
+        "description": "What `POST /v1/messages` would be sent, without generation settings.",
+        "properties": {
+            "model": {"$ref": "#/components/schemas/ModelName"},
+            "messages": {
+                "type": "array",
+                "minItems": 1,
+                "items": {"$ref": "#/components/schemas/AnthropicMessage"},
+            },
+            "system": {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"$ref": "#/components/schemas/AnthropicTextBlock"}},
+                ]
+            },
+            "tools": {"type": "array", "items": {"$ref": "#/components/schemas/AnthropicTool"}},
+            "tool_choice": {"type": "object"},
+        },
+        "additionalProperties": True,
+        "required": ["model", "messages"],
+    },
+    "InputTokensRequest": {
+        "type": "object",
+        "description": "What `POST /v1/responses` would be sent, without generation settings; "
+        "`previous_response_id` counts the stored conversation too.",
+        "properties": {
+            "model": {"$ref": "#/components/schemas/ModelName"},
+            "input": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "minItems": 1, "items": {"type": "object"}},
+                ]
+            },
+            "instructions": {
+                "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]
+            },
+            "tools": {"type": "array", "items": {"type": "object"}},
+            "previous_response_id": {"type": "string"},
+        },
+        "additionalProperties": True,
+        "required": ["model"],
+        "anyOf": [{"required": ["input"]}, {"required": ["previous_response_id"]}],
+    },
+    "TokenCount": {
+        "type": "object",
+        "properties": {
+            "input_tokens": {"type": "integer", "minimum": 0},
+            "estimated": {"const": True, "description": "Present when no counter answered."},
+        },
+        "additionalProperties": False,
+        "required": ["input_tokens"],
+    },
+    "InputTokenCount": {
+        "type": "object",
+        "properties": {
+            "object": {"const": "response.input_tokens"},
+            "input_tokens": {"type": "integer", "minimum": 0},
+            "estimated": {"const": True, "description": "Present when no counter answered."},
+        },
+        "additionalProperties": False,
+        "required": ["object", "input_tokens"],
+    },
+}
+_COUNT_HEADERS: Final[Document] = {
+    "TokenCountSource": {
+        "description": "`upstream`: a deployment's own counter answered; `estimate`: none could "
+        "(about four characters a token).",
+        "required": True,
+        "schema": {"type": "string", "enum": ["upstream", "estimate"]},
+    },
+    "CountingDeployment": {
+        "description": "`<provider>/<model>` whose counter answered (absent for an estimate).",
+        "required": False,
+        "schema": {"type": "string"},
+    },
+}
+# path → (operationId, summary, errors' wire, request schema, answer schema, security schemes)
+_COUNT_OPERATIONS: Final = {
+    "/v1/messages/count_tokens": (
+        "countMessageTokens",
+        "Anthropic token counting",
+        "Anthropic",
+        "CountTokensRequest",
+        "TokenCount",
+        ("bearer", "apiKey"),
+    ),
+    "/v1/responses/input_tokens": (
+        "countResponseInputTokens",
+        "OpenAI Responses input token counting",
+        "OpenAI",
+        "InputTokensRequest",
+        "InputTokenCount",
+        ("bearer",),
+    ),
+}
+
+
+def _add_count_operations(document: Document, keys: bool) -> None:
+    """The counting endpoints: the model's deployments' own counters, else an estimate."""
+    components = document["components"]
+    components.setdefault("schemas", {}).update(copy.deepcopy(_COUNT_SCHEMAS))
+    components.setdefault("headers", {}).update(copy.deepcopy(_COUNT_HEADERS))
+    for path, (
+        operation_id,
+        summary,
+        errors,
+        request,
+        answer,
+        schemes,
+    ) in _COUNT_OPERATIONS.items():
+        security: list[Document] = [{scheme: []} for scheme in schemes]
+        if not keys:
+            security.insert(0, {})
+        responses: Document = {
+            "200": {
+                "description": "The count, from the first deployment whose counter answered, "
+                "else an estimate.",
+                "headers": {
+                    "x-request-id": _header("RequestId"),
+                    "x-tailguard-model": _header("Model"),
+                    "x-tailguard-token-count": _header("TokenCountSource"),
+                    "x-tailguard-deployment": _header("CountingDeployment"),
+                },
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{answer}"}}
+                },
+            }
+        }
+        for status in _COUNT_STATUSES:
+            responses[str(status)] = _response_ref(errors, status)
+        document.setdefault("paths", {}).setdefault(path, {})["post"] = {
+            "operationId": operation_id,
+            "summary": summary,
+            "description": "Counts the request's input tokens with the model's deployments' own "
+            "counters, in order; nothing is generated. Errors are "
+            f"{errors}-shaped.",
+            "tags": ["LLM"],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{request}"}}
+                },
+            },
+            "security": security,
+            "responses": responses,
+        }

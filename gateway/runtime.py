@@ -38,6 +38,7 @@ from gateway.providers.base import Provider
 from gateway.providers.vllm import Scraper, ServerState
 from gateway.ratelimit import Admission, RateLimiter, open_rate_limiter
 from gateway.redis import connect_redis
+from gateway.responses_store import ResponseStore, open_response_store
 from gateway.routing import Guards, TTFTPredictor, fallback_chain
 from gateway.telemetry import (
     AccessLog,
@@ -75,6 +76,7 @@ class Services:
     rng: random.Random
     started_at: float
     metrics: Registry  # what GET /metrics exposes
+    responses: ResponseStore  # stored responses (a reload that keeps `responses` shares them)
     batchers: dict[str, BatchingProvider] = field(default_factory=dict)  # by deployment id
     servers: dict[str, ServerState] = field(default_factory=dict)  # vLLM load, by provider
     predictor: TTFTPredictor = field(default_factory=TTFTPredictor)
@@ -172,7 +174,9 @@ class Runtime:
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.__aexit__(None, None, None)
 
-    async def _build(self, settings: Settings, guards: Guards | None) -> Services:
+    async def _build(
+        self, settings: Settings, guards: Guards | None, kept: ResponseStore | None = None
+    ) -> Services:
         pools = AsyncExitStack()
         providers = await open_providers(settings, pools)
         self.meters.describe(
@@ -211,6 +215,7 @@ class Runtime:
             keyring=KeyRing(settings.auth),
             servers=servers,
             predictor=self.predictor,
+            responses=_response_store(settings, kept, pools),  # last: nothing after it can fail
             _pools=pools,
         )
 
@@ -261,7 +266,8 @@ class Runtime:
                 )
             same_routing = settings.routing == old.settings.routing
             try:
-                new = await self._build(settings, guards=old.guards if same_routing else None)
+                guards = old.guards if same_routing else None
+                new = await self._build(settings, guards, old.responses)
             except Exception as exc:
                 self._failed(f"the new config could not be opened ({type(exc).__name__})")
                 log.exception("config reload failed, the running config is kept")
@@ -276,7 +282,7 @@ class Runtime:
                 len(settings.models),
                 len(settings.providers),
             )
-            task = asyncio.create_task(self._drain(old), name="drain-old-config")
+            task = asyncio.create_task(_drain(old), name="drain-old-config")
             self._draining.add(task)
             task.add_done_callback(self._draining.discard)
             return True
@@ -284,16 +290,6 @@ class Runtime:
     def _failed(self, reason: str) -> None:
         self.reload_failures += 1
         self.last_failure = reason
-
-    async def _drain(self, old: Services) -> None:
-        """Close the replaced config's connection pools once its last request has ended (or
-        the lifespan ends first: its metrics readers must stop before the scraper closes)."""
-        old.retired = True
-        try:
-            if old.active > 0:
-                await old.idle.wait()
-        finally:
-            await old._pools.aclose()
 
     def _watch(self, stack: AsyncExitStack) -> None:
         """Reload on SIGHUP and whenever the config file changes."""
@@ -344,6 +340,29 @@ class Runtime:
             task.cancel()
         await asyncio.gather(*self._draining, return_exceptions=True)
         await self.services._pools.aclose()
+
+
+async def _drain(old: Services) -> None:
+    """Close the replaced config's connection pools once its last request has ended (or
+    the lifespan ends first: its metrics readers must stop before the scraper closes)."""
+    old.retired = True
+    try:
+        if old.active > 0:
+            await old.idle.wait()
+    finally:
+        await old._pools.aclose()
+
+
+def _response_store(
+    settings: Settings, kept: ResponseStore | None, pools: AsyncExitStack
+) -> ResponseStore:
+    """The previous config's store when `responses` is unchanged (stored responses outlive the
+    reload; `latency` cannot change without a restart), else a new one. Each config's pools
+    release their hold: the store closes after the last config using it has drained."""
+    same = kept is not None and kept.spec == settings.responses
+    store = kept.share() if kept is not None and same else open_response_store(settings)
+    pools.push_async_callback(store.aclose)
+    return store
 
 
 def _batchers(

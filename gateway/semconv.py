@@ -19,6 +19,9 @@ GEN_AI_RESPONSE_ID: Final = "gen_ai.response.id"
 GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
 GEN_AI_USAGE_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+# Of the input tokens, those read from the upstream's prompt cache and those written to it.
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: Final = "gen_ai.usage.cache_read.input_tokens"
+GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS: Final = "gen_ai.usage.cache_creation.input_tokens"
 GEN_AI_INPUT_MESSAGES: Final = "gen_ai.input.messages"  # only when content capture is enabled
 GEN_AI_TOKEN_TYPE: Final = "gen_ai.token.type"
 
@@ -53,6 +56,7 @@ TG_SLO_TPOT_MET: Final = "tailguard.slo.tpot_met"
 OPERATIONS: Final = {
     "chat": "chat",
     "messages": "chat",
+    "responses": "chat",
     "completions": "text_completion",
     "embeddings": "embeddings",
 }
@@ -117,4 +121,9 @@ SPANS_DROPPED: Final = "tailguard_trace_spans_dropped"  # counter: the export qu
 SLO_REQUESTS: Final = "tailguard_slo_requests"  # counter: model, deployment, slo, result
 WASTED_ATTEMPTS: Final = "tailguard_wasted_attempts"  # counter: model, deployment
 WASTED_PROMPT_TOKENS: Final = "tailguard_wasted_prompt_tokens"  # counter: model, deployment
+# Prompt tokens of committed requests as the upstream reported them (counters: model,
+# deployment): all of them, and of those, the ones read from and written to its prompt cache.
+INPUT_TOKENS: Final = "tailguard_input_tokens"
+CACHED_INPUT_TOKENS: Final = "tailguard_cached_input_tokens"
+CACHE_WRITE_INPUT_TOKENS: Final = "tailguard_cache_write_input_tokens"
 EXTRA_LOAD: Final = "tailguard_extra_load_ratio"  # gauge: model (rescues / client requests)

@@ -28,6 +28,7 @@ OUTPUT_LENGTH_FIELDS: Final[dict[Endpoint, tuple[str, ...]]] = {
     "completions": ("max_tokens",),
     "embeddings": (),
     "messages": ("max_tokens",),
+    "responses": ("max_output_tokens",),
 }
 """The fields of a body, by endpoint, whose value is the output length the request asks for."""
 
@@ -108,6 +109,55 @@ def _messages(body: dict[str, Any]) -> None:
             raise _missing(f"{param}.role")
         if not isinstance(role, str):
             raise _invalid_type(f"{param}.role", "a string", role)
+
+
+# Top-level fields of a Responses request and the JSON types each may have (null aside): the
+# translation reads or echoes them into the Response object, so a wrong type must be refused
+# here, naming the field, rather than forwarded or echoed back.
+_RESPONSES_FIELDS: Final[dict[str, tuple[tuple[type, ...], str]]] = {
+    "input": ((str, list), "a string or an array"),
+    "instructions": ((str, list), "a string or an array"),
+    "previous_response_id": ((str,), "a string"),
+    "tools": ((list,), "an array"),
+    "tool_choice": ((str, dict), "a string or an object"),
+    "include": ((list,), "an array"),
+    "text": ((dict,), "an object"),
+    "reasoning": ((dict,), "an object"),
+    "metadata": ((dict,), "an object"),
+    "stream_options": ((dict,), "an object"),
+    "user": ((str,), "a string"),
+    "safety_identifier": ((str,), "a string"),
+    "prompt_cache_key": ((str,), "a string"),
+    "prompt_cache_retention": ((str,), "a string"),
+    "service_tier": ((str,), "a string"),
+    "truncation": ((str,), "a string"),
+}
+
+
+def _typed(value: object, param: str, types: tuple[type, ...], expected: str) -> None:
+    """Refuse a non-null value of another JSON type (a boolean is no number here)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+        raise _invalid_type(param, expected, value)
+
+
+def _responses(body: dict[str, Any]) -> None:
+    if body.get("input") is None and body.get("previous_response_id") is None:
+        raise _missing("input")
+    for name, (types, expected) in _RESPONSES_FIELDS.items():
+        _typed(body.get(name), name, types, expected)
+    for name in ("store", "parallel_tool_calls", "background"):
+        _optional_bool(body, name)
+    for name in ("temperature", "top_p"):
+        _typed(body.get(name), name, (int, float), "a number")
+    _optional_int(body, "top_logprobs", 0)
+    for index, entry in enumerate(body.get("include") or ()):
+        _typed(entry, f"include[{index}]", (str,), "a string")
+    text = body.get("text") or {}
+    _typed(text.get("format"), "text.format", (dict,), "an object")
+    _typed(text.get("verbosity"), "text.verbosity", (str,), "a string")
+    reasoning = body.get("reasoning") or {}
+    for name in ("effort", "summary"):
+        _typed(reasoning.get(name), f"reasoning.{name}", (str,), "a string")
 
 
 def _too_deep() -> InvalidRequestError:
@@ -212,6 +262,9 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
             raise InvalidRequestError(
                 "Embeddings cannot be streamed.", param="stream", code="invalid_value"
             )
+    elif endpoint == "responses":
+        _responses(body)
+        max_tokens = _optional_int(body, "max_output_tokens", 16)
     else:  # Anthropic Messages
         _messages(body)
         if body.get("max_tokens") is None:

@@ -1,12 +1,16 @@
-"""`tailguard check-config --explain`: the resolved routing table, with no secret in it."""
+"""`tailguard check-config`: the resolved routing table with no secret in it (`--explain`), and
+config problems a newcomer can act on (also from `serve`), and the auth line of both."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
+import threading
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -304,3 +308,334 @@ def test_the_installed_command_explains() -> None:
     assert "chat-large (fallback)" not in result.stdout
     assert "chat-fast (fallback)" in result.stdout
     assert "800 ms / 20000 ms" in result.stdout
+
+
+# --- problems a newcomer can act on --------------------------------------------------------------
+
+SIM_ONLY = """\
+providers:
+  sim: {type: simulated}
+models:
+  - name: chat-fast
+    deployments: [{provider: sim, model: fast}]
+"""
+
+
+def problems(config: Path, env: dict[str, str] | None = None) -> str:
+    """check-config on a config that must fail: its stderr, all on one line per problem."""
+    code, out, err = run("--config", str(config), env=env)
+    assert code == 2, out
+    assert "Traceback" not in err
+    assert err.startswith("error: ")
+    return err
+
+
+def test_a_yaml_error_gives_the_parsers_reason_and_position(tmp_path: Path) -> None:
+    """A YAML syntax error is `file:line:column: reason` (PyYAML's problem and problem_mark),
+    with a hint for the usual slip, and never the offending line (it may hold a secret)."""
+    path = write(tmp_path, SIM_ONLY + "server:\n  host: 127.0.0.1\n  port: 8080: sk-SECRET-1\n")
+    err = problems(path)
+    assert err.splitlines()[0] == f"error: {path}:8:13: mapping values are not allowed here"
+    assert "the file is not valid YAML at line 8, column 13" in err
+    assert "hint: a value that contains ': ' must be quoted" in err
+    assert "SECRET" not in err
+
+    path = write(tmp_path, SIM_ONLY.replace("  sim: {type", "\tsim: {type"))
+    err = problems(path)
+    assert err.splitlines()[0].startswith(f"error: {path}:2:1: found character '\\t'")
+    assert "YAML indents with spaces" in err
+
+
+def test_all_unset_environment_variables_are_reported_at_once(tmp_path: Path) -> None:
+    """Three `${VAR}` references to unset variables give one error listing all three, each with
+    the line it is used on and its key, plus how to set them; a variable with a default, or one
+    that is set, is not listed."""
+    text = """\
+latency:
+  store: redis
+  redis_url: ${TG_TEST_REDIS_URL}
+providers:
+  sim: {type: simulated}
+  openai: {type: openai, base_url: "https://api.example.com/v1", api_key: "${TG_TEST_OPENAI}"}
+  anthropic:
+    type: anthropic
+    base_url: ${TG_TEST_ANTHROPIC_URL:-https://api.anthropic.com}
+    api_key: ${TG_TEST_ANTHROPIC}
+  vllm: {type: vllm, base_url: "http://127.0.0.1:8000/v1", api_key: "${TG_TEST_SET}"}
+models:
+  - name: chat-fast
+    deployments: [{provider: sim, model: fast}]
+"""
+    path = write(tmp_path, text)
+    err = problems(path, env={"TG_TEST_SET": "vllm-key"})
+    lines = err.splitlines()
+    assert lines[0] == f"error: {path}: invalid configuration (3 problems)"
+    assert lines[1:4] == [
+        f"  {path}:3: latency.redis_url: environment variable TG_TEST_REDIS_URL is not set",
+        f"  {path}:6: providers.openai.api_key: environment variable TG_TEST_OPENAI is not set",
+        f"  {path}:10: providers.anthropic.api_key: environment variable TG_TEST_ANTHROPIC is "
+        "not set",
+    ]
+    assert lines[4].startswith(
+        "  hint: set them in the environment (export TG_TEST_REDIS_URL=... TG_TEST_OPENAI=... "
+        "TG_TEST_ANTHROPIC=...)"
+    )
+    assert len(lines) == 5
+    assert "vllm-key" not in err
+
+
+def test_validation_errors_list_every_path_with_its_line(tmp_path: Path) -> None:
+    """Every invalid key at once, in the file's order: the file and line, the path (models by
+    name), the reason; an unknown key suggests the one it is close to; broken references
+    between sections are each listed on the line that holds them."""
+    text = """\
+providers:
+  sim: {type: simulated}
+models:
+  - name: chat-fast
+    deployments:
+      - {provider: sim, model: fast}
+      - {provider: nope, model: fast}
+    fallbacks: [chat-slow, missing]
+  - name: chat-slow
+    deployments: [{provider: sim, model: slow}]
+    budget: {ttft_msec: 800}
+"""
+    path = write(tmp_path, text)
+    lines = problems(path).splitlines()
+    assert lines == [
+        f"error: {path}:11: models[chat-slow].budget.ttft_msec: unknown key "
+        "(did you mean 'ttft_ms'?)",
+    ]
+    path = write(tmp_path, text.replace("ttft_msec", "ttft_ms"))
+    lines = problems(path).splitlines()
+    assert lines == [
+        f"error: {path}: invalid configuration (2 problems)",
+        f"  {path}:7: models[chat-fast].deployments: unknown provider 'nope' (configured: sim)",
+        f"  {path}:8: models[chat-fast].fallbacks: unknown model 'missing' (models: chat-fast, "
+        "chat-slow)",
+    ]
+    path = write(
+        tmp_path, text.replace("ttft_msec: 800", "ttft_ms: 0").replace("sim, model: s", "x")
+    )
+    lines = problems(path).splitlines()
+    assert lines[0] == f"error: {path}: invalid configuration (2 problems)"
+    assert lines[1].startswith(f"  {path}:10: models[chat-slow].deployments[0].")
+    assert (
+        lines[2] == f"  {path}:11: models[chat-slow].budget.ttft_ms: Input should be greater than 0"
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {"TAILGUARD_SERVER__PORT": "abc"},
+            "error: TAILGUARD_SERVER__PORT=abc: Input should be a valid integer, unable to parse "
+            "string as an integer",
+        ),
+        (
+            {"TAILGUARD_AUTH__KEYS": "team-a"},
+            "error: TAILGUARD_AUTH__KEYS: not valid JSON (this setting is a list: give it as a "
+            "JSON array, '[...]')",
+        ),
+        (
+            {"TAILGUARD_PROVIDERS": '{"sim": {"type": "simulted"}}'},
+            "error: TAILGUARD_PROVIDERS: providers.sim.type: Input should be 'openai', 'vllm', "
+            "'anthropic' or 'simulated'",
+        ),
+        (
+            {"TAILGUARD_PROVIDERS__SIM__API_KEYY": "sk-SECRET-9"},
+            "error: TAILGUARD_PROVIDERS__SIM__API_KEYY: unknown key (did you mean 'api_key'?)",
+        ),
+    ],
+    ids=["bad-value", "not-json", "json-section", "unknown-key"],
+)
+def test_an_environment_override_is_named(
+    tmp_path: Path, env: dict[str, str], expected: str
+) -> None:
+    """A problem a `TAILGUARD_*` variable causes names the variable (with its value when that
+    cannot be a secret), not the file, which is fine."""
+    path = write(tmp_path, SIM_ONLY)
+    err = problems(path, env=env)
+    assert err.splitlines() == [expected]
+    assert str(path) not in err and "SECRET" not in err
+
+
+def test_overrides_and_file_problems_are_listed_together(tmp_path: Path) -> None:
+    """The file's problems (with their lines) and the environment's (by variable) in one
+    message; a section that fails because of an override says which variable is set in it."""
+    path = write(tmp_path, SIM_ONLY + "latency:\n  window_s: 1\n")
+    err = problems(path, env={"TAILGUARD_SERVER__WORKERS": "0"})
+    assert err.splitlines() == [
+        f"error: {path}: invalid configuration (2 problems)",
+        f"  {path}:7: latency.window_s: Input should be greater than or equal to 5",
+        "  TAILGUARD_SERVER__WORKERS=0: Input should be greater than or equal to 1",
+    ]
+    path = write(tmp_path, SIM_ONLY)
+    err = problems(path, env={"TAILGUARD_LATENCY__STORE": "redis"})
+    assert err.splitlines() == [
+        f"error: {path}: latency: store is 'redis' but redis_url is not set (with "
+        "TAILGUARD_LATENCY__STORE set in the environment)"
+    ]
+
+
+KEY_HASHES = [hashlib.sha256(f"key-{i}".encode()).hexdigest() for i in range(3)]
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "expected"),
+    [
+        ("", {}, "auth off (loopback only)"),
+        (
+            "server: {host: 0.0.0.0, allow_unauthenticated: true}\n",
+            {},
+            "auth off — allow_unauthenticated (anyone who reaches 0.0.0.0 may call models)",
+        ),
+        (
+            "server: {host: 127.0.0.1, allow_unauthenticated: true}\n",
+            {},
+            "auth off (loopback only)",
+        ),
+        (
+            f"auth:\n  keys:\n    - {{name: a, sha256: {KEY_HASHES[0]}, rpm: 60}}\n"
+            f"    - {{name: b, sha256: {KEY_HASHES[1]}}}\n"
+            f"  admin_keys: [{{name: ops, sha256: {KEY_HASHES[2]}}}]\n",
+            {},
+            "auth on: 2 client keys, 1 admin key; rate limits on for 1 key (memory)",
+        ),
+        (
+            f"auth:\n  keys: [{{name: a, sha256: {KEY_HASHES[0]}, tpm: 1000}}]\n"
+            "latency: {store: redis, redis_url: 'redis://127.0.0.1:6379/0'}\n",
+            {},
+            "auth on: 1 client key, 0 admin keys; rate limits on for 1 key (redis)",
+        ),
+        (
+            f"auth: {{admin_keys: [{{name: ops, sha256: {KEY_HASHES[2]}}}]}}\n",
+            {},
+            "auth on: 0 client keys (no key may call models), 1 admin key; rate limits off",
+        ),
+    ],
+    ids=["no-keys", "allow-unauthenticated", "allowed-but-loopback", "keys", "redis", "admin"],
+)
+def test_the_auth_line_says_what_the_config_does(
+    tmp_path: Path, extra: str, env: dict[str, str], expected: str
+) -> None:
+    """check-config's summary and --explain state who may call: the keys and rate limits, or
+    with no keys, loopback only or `allow_unauthenticated`, as the config really has it."""
+    path = write(tmp_path, SIM_ONLY + extra)
+    code, out, err = run("--config", str(path), env=env)
+    assert code == 0, err
+    assert expected in out.splitlines()
+    code, out, err = run("--config", str(path), "--explain", env=env)
+    assert code == 0, err
+    assert out.splitlines()[-2].endswith(f"worker(s); {expected}")
+
+
+def test_no_keys_beyond_loopback_fails_the_check(tmp_path: Path) -> None:
+    """What `serve` refuses (no keys on a non-loopback interface, without
+    allow_unauthenticated), check-config refuses too, with the way out."""
+    err = problems(write(tmp_path, SIM_ONLY + "server: {host: 0.0.0.0}\n"))
+    assert (
+        "server.host: no API keys are configured, so the gateway only listens on loopback, " in err
+    )
+    assert "not on 0.0.0.0" in err and "allow_unauthenticated" in err
+
+
+# --- serve ---------------------------------------------------------------------------------------
+
+
+def tailguard_command() -> list[str]:
+    script = Path(sys.executable).with_name("tailguard")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without TAILGUARD_* variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TAILGUARD_")}
+    return {**env, **extra}
+
+
+def serve_summary(config: Path, *args: str) -> list[str]:
+    """The start-up summary `tailguard serve` prints before it binds (on stderr), read up to
+    its `config:` line; the server, on an ephemeral port, is then stopped."""
+    with subprocess.Popen(
+        [*tailguard_command(), "serve", "--config", str(config), "--port", "0", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    ) as process:
+        watchdog = threading.Timer(60, process.kill)
+        watchdog.start()
+        try:
+            assert process.stderr is not None
+            lines = []
+            for line in process.stderr:
+                lines.append(line.rstrip("\n"))
+                if line.startswith("config:"):
+                    break
+            return lines
+        finally:
+            watchdog.cancel()
+            process.terminate()
+
+
+def test_serve_prints_the_real_auth_setting(tmp_path: Path) -> None:
+    """`serve`'s start-up summary has the same auth line as check-config: keys and rate limits,
+    loopback only, or allow_unauthenticated (from the file or the flags)."""
+    keys = (
+        f"auth:\n  keys:\n    - {{name: a, sha256: {KEY_HASHES[0]}, rpm: 60}}\n"
+        f"  admin_keys: [{{name: ops, sha256: {KEY_HASHES[2]}}}]\n"
+    )
+    path = write(tmp_path, SIM_ONLY + keys)
+    lines = serve_summary(path)
+    assert lines[0].startswith("Tailguard on http://127.0.0.1:0  (1 worker;")
+    assert lines[1:] == [
+        "auth on: 1 client key, 1 admin key; rate limits on for 1 key (memory)",
+        f"config: {path}",
+    ]
+    path = write(tmp_path, SIM_ONLY)
+    assert serve_summary(path)[1:] == ["auth off (loopback only)", f"config: {path}"]
+    lines = serve_summary(path, "--host", "0.0.0.0", "--allow-unauthenticated")
+    assert lines[1:] == [
+        "auth off — allow_unauthenticated (anyone who reaches 0.0.0.0 may call models)",
+        f"config: {path}",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "expected"),
+    [
+        (SIM_ONLY + "server:\n  port: 8080: x\n", {}, ":7:13: mapping values are not allowed here"),
+        (SIM_ONLY, {"TAILGUARD_AUTH__KEYS": "team-a"}, "TAILGUARD_AUTH__KEYS: not valid JSON"),
+        (
+            SIM_ONLY + "latency: {store: redis, redis_url: 'redis+cluster://:SECRET@c1:7000/3'}\n",
+            {},
+            "latency.redis_url: Redis URL: a Redis Cluster has database 0 only",
+        ),
+    ],
+    ids=["yaml", "override", "redis-url"],
+)
+def test_serve_with_a_bad_config_exits_with_the_same_message(
+    tmp_path: Path, text: str, env: dict[str, str], expected: str
+) -> None:
+    """`serve` prints exactly what check-config prints and exits 2 before binding a port: no
+    traceback, also for a bad override or a Redis URL the store could not use."""
+    path = write(tmp_path, text)
+    results = [
+        subprocess.run(
+            [*tailguard_command(), command, "--config", str(path), *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(**env),
+        )
+        for command, extra in (("serve", ["--port", "0"]), ("check-config", []))
+    ]
+    served, checked = results
+    assert (served.returncode, checked.returncode) == (2, 2)
+    assert served.stderr == checked.stderr
+    assert expected in served.stderr
+    assert "Traceback" not in served.stderr and "SECRET" not in served.stderr
+    assert "Uvicorn running" not in served.stderr

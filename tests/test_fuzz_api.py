@@ -161,7 +161,7 @@ async def test_every_operation_answers_as_documented(gateway: Gateway) -> None:
 
 async def test_document_describes_the_gateway(gateway: Gateway) -> None:
     """The served document is valid OpenAPI 3.1 whose schemas are valid JSON Schema, with the
-    four LLM operations, the headers the gateway reads, and the configured model names."""
+    LLM operations, the headers the gateway reads, and the configured model names."""
     schema = await asyncio.to_thread(load_schema, gateway.url)
     document = schema.raw_schema
     assert document["openapi"] == "3.1.0"
@@ -195,6 +195,13 @@ def _chat(**extra: Any) -> dict[str, Any]:
     return {"model": "chat", "messages": [{"role": "user", "content": "Hi"}], **extra}
 
 
+def _respond(**extra: Any) -> dict[str, Any]:
+    return {"model": "chat", "input": "Hi", **extra}
+
+
+_PARTS = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]
+
+
 CANONICAL: list[tuple[str, dict[str, Any], dict[str, str], int]] = [
     ("/v1/chat/completions", _chat(), {}, 200),
     ("/v1/chat/completions", _chat(stream=True, stream_options={"include_usage": True}), {}, 200),
@@ -225,6 +232,13 @@ CANONICAL: list[tuple[str, dict[str, Any], dict[str, str], int]] = [
     ),
     ("/v1/chat/completions", _chat(max_tokens=0), {}, 400),  # the upstream refuses it
     ("/v1/embeddings", {"model": "chat", "input": "a", "stream": True}, {}, 400),
+    ("/v1/responses", _respond(), {}, 200),
+    ("/v1/responses", _respond(input=_PARTS, stream=True, max_output_tokens=16), {}, 200),
+    ("/v1/responses", {"model": "chat"}, {}, 400),
+    ("/v1/responses", _respond(model="nope"), {}, 404),
+    ("/v1/responses", _respond(tools=[{"type": "web_search"}]), {}, 400),
+    ("/v1/responses", _respond(conversation="conv_1"), {}, 400),  # not a field chat can take
+    ("/v1/responses", _respond(max_output_tokens=15), {}, 400),
     ("/v1/chat/completions", _chat(filler="x" * MAX_BODY_BYTES), {}, 413),
     ("/v1/messages", {"model": "chat", "filler": "x" * MAX_BODY_BYTES}, {}, 413),
 ]
@@ -243,6 +257,46 @@ async def test_canonical_requests_answer_as_documented(gateway: Gateway) -> None
 
     for path, expected, status in await asyncio.to_thread(call):
         assert status == expected, path
+
+
+async def test_stored_responses_answer_as_documented(gateway: Gateway) -> None:
+    """A response created through the gateway is read, listed and deleted as the document says;
+    once deleted, reading or deleting it again is the documented 404."""
+
+    def call() -> list[tuple[str, str, int]]:
+        schema = load_schema(gateway.url)
+        created = _call(schema, gateway.url, "/v1/responses", body=_respond(input=_PARTS))
+        assert created.status_code == 200
+        ids = {"response_id": orjson.loads(created.content)["id"]}
+        steps = [
+            ("/v1/responses/{response_id}", "GET", {}),
+            ("/v1/responses/{response_id}/input_items", "GET", {"limit": 1, "order": "asc"}),
+            ("/v1/responses/{response_id}", "DELETE", {}),
+            ("/v1/responses/{response_id}", "GET", {}),
+            ("/v1/responses/{response_id}", "DELETE", {}),
+        ]
+        seen = []
+        for path, method, query in steps:
+            case = schema[path][method].Case(path_parameters=ids, query=query)
+            response = case.call_and_validate(base_url=gateway.url, checks=CHECKS, timeout=10)
+            seen.append((method, path, response.status_code))
+        return seen
+
+    statuses = [status for _, _, status in await asyncio.to_thread(call)]
+    assert statuses == [200, 200, 200, 404, 404]
+
+
+async def test_every_documented_responses_field_is_taken_when_translated(gateway: Gateway) -> None:
+    """Each field the document lists for `/v1/responses` is one the translation to chat takes
+    (so `additionalProperties: false` refuses only what the gateway refuses)."""
+
+    def call() -> int:
+        schema = load_schema(gateway.url)
+        fields = schema.raw_schema["components"]["schemas"]["ResponsesRequest"]["properties"]
+        body = {**{name: None for name in fields}, **_respond()}
+        return _call(schema, gateway.url, "/v1/responses", body=body).status_code
+
+    assert await asyncio.to_thread(call) == 200
 
 
 async def test_unparseable_json_is_a_documented_400(gateway: Gateway) -> None:
@@ -274,6 +328,17 @@ def _tampered(response: CheckedResponse, content: bytes) -> CheckedResponse:
 
 
 BAD_STREAMS: list[tuple[str, dict[str, Any], bytes]] = [
+    (
+        "/v1/responses",
+        _respond(stream=True),
+        b'event: response.created\ndata: {"type": "response.created", "response": {}}\n\n',
+    ),
+    (
+        "/v1/responses",
+        _respond(stream=True),
+        b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", '
+        b'"sequence_number": 3, "item_id": "msg_1", "output_index": 0, "delta": 7}\n\n',
+    ),
     ("/v1/chat/completions", _chat(stream=True), b'data: {"choices": "no"}\n\ndata: [DONE]\n\n'),
     ("/v1/chat/completions", _chat(stream=True), b'data: {"error": {"message": 1}}\n\n'),
     ("/v1/completions", {"model": "chat", "prompt": "x", "stream": True}, b"data: [DONE!]\n\n"),

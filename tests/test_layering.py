@@ -27,7 +27,12 @@ LIBRARY_OWNERS = {
     "httptools": {"gateway.protocol", "gateway.tools.load"},
     "httpx": set(),
     "aiohttp": {"gateway.providers.http", "gateway.providers.vllm", "gateway.tools.probe"},
-    "redis": {"gateway.redis", "gateway.latency.redis_store", "gateway.ratelimit"},
+    "redis": {
+        "gateway.redis",
+        "gateway.latency.redis_store",
+        "gateway.ratelimit",
+        "gateway.responses_store",
+    },
     "opentelemetry": {"gateway.telemetry.tracing"},
     "prometheus_client": {
         "gateway.telemetry.prometheus",
@@ -161,6 +166,13 @@ def test_arrows_point_one_way() -> None:
         "gateway.batching": ("gateway.api", "gateway.routing", "gateway.runtime"),
         "gateway.auth": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.runtime"),
         "gateway.ratelimit": ("gateway.api", "gateway.routing", "gateway.providers"),
+        "gateway.responses_store": (
+            "gateway.api",
+            "gateway.routing",
+            "gateway.providers",
+            "gateway.latency",
+            "gateway.runtime",
+        ),
         "gateway.protocol": ("gateway.api", "gateway.routing", "gateway.providers"),
         "gateway.errors": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.config"),
         "gateway.sse": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.config"),

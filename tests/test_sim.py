@@ -201,20 +201,29 @@ async def test_openai_sdk_speaks_to_the_sim() -> None:
 
 
 async def test_completions_with_a_list_of_prompts() -> None:
-    """One choice per prompt, indexed by position; streaming a list is refused."""
+    """One choice per prompt, indexed by position, streamed or not."""
     engine = SimEngine(default=SimProfile(output_tokens=3), seed=1)
     async with sim_client(engine) as client:
         response = await client.post(
             "/v1/completions", json={"model": "m", "prompt": ["abcd", "efgh" * 2]}
         )
-        refused = await client.post(
-            "/v1/completions", json={"model": "m", "prompt": ["a", "b"], "stream": True}
-        )
+        body = {"model": "m", "prompt": ["a", "b"], "stream": True, "seed": 3}
+        async with client.stream("POST", "/v1/completions", json=body) as streamed:
+            events = await sse_events(streamed)
+        whole = await client.post("/v1/completions", json={**body, "stream": False})
     body = response.json()
     assert [choice["index"] for choice in body["choices"]] == [0, 1]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
-    assert refused.status_code == 400
-    assert refused.json()["error"]["param"] == "prompt"
+    assert events[-1] == "[DONE]"
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {c["index"]: c["text"] for c in whole.json()["choices"]}
+    assert finishes == {0: "stop", 1: "stop"}
 
 
 async def test_embeddings_are_deterministic_unit_vectors() -> None:
@@ -735,16 +744,12 @@ async def test_n_choices_per_prompt() -> None:
         response = await client.post(
             "/v1/completions", json={"model": "m", "prompt": ["abcd", "efgh" * 2], "n": 3}
         )
-        streamed = await client.post(
-            "/v1/completions", json={"model": "m", "prompt": "a", "n": 2, "stream": True}
-        )
         zero = await client.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 0})
     body = response.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3, 4, 5]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 18, "total_tokens": 21}
-    for bad in (streamed, zero):
-        assert bad.status_code == 400
-        assert bad.json()["error"]["param"] == "n"
+    assert zero.status_code == 400
+    assert zero.json()["error"]["param"] == "n"
 
 
 async def completion_texts(

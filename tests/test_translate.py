@@ -1275,3 +1275,313 @@ def test_empty_openai_stream_still_forms_a_message() -> None:
     ):
         message = stream_.get_final_message()
     assert (message.content, message.stop_reason) == ([], "end_turn")
+
+
+# --- prompt caching -----------------------------------------------------------------------------
+
+EPHEMERAL: dict[str, Any] = {"type": "ephemeral"}
+HOUR: dict[str, Any] = {"type": "ephemeral", "ttl": "1h"}
+
+
+def test_chat_cache_markers_are_carried_to_anthropic() -> None:
+    """Anthropic-style `cache_control` markers an OpenAI client puts on content parts, whole
+    messages and tools land on the blocks and tools they become (a part's own marker wins over
+    its message's); a marked system prompt stays in blocks; `prompt_cache_key` and
+    `prompt_cache_retention`, which Anthropic does not take, are dropped."""
+    body = {
+        "model": "m",
+        "prompt_cache_key": "tenant-7",
+        "prompt_cache_retention": "24h",
+        "messages": [
+            {"role": "system", "content": "You are terse.", "cache_control": HOUR},
+            {
+                "role": "developer",
+                "content": [
+                    {"type": "text", "text": "Answer in French."},
+                    {"type": "text", "text": ""},
+                    {"type": "text", "text": "Cite sources.", "cache_control": EPHEMERAL},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "A long document.", "cache_control": EPHEMERAL},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "https://example.com/cat.jpg"},
+                        "cache_control": HOUR,
+                    },
+                    {"type": "text", "text": "What is it?"},
+                ],
+                "cache_control": HOUR,  # the last part's: the first two have their own
+            },
+            {"role": "assistant", "content": "A cat.", "cache_control": EPHEMERAL},
+            {"role": "user", "content": "And this?", "cache_control": EPHEMERAL},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "ok", "cache_control": EPHEMERAL},
+            {
+                "role": "tool",
+                "tool_call_id": "c1",
+                "content": [{"type": "text", "text": "done", "cache_control": HOUR}],
+            },
+        ],
+        "tools": [
+            {"type": "function", "function": {"name": "f"}, "cache_control": EPHEMERAL},
+            {"type": "function", "function": {"name": "g"}},
+        ],
+    }
+    assert chat_request_to_anthropic(body) == {
+        "model": "m",
+        "system": [
+            {"type": "text", "text": "You are terse.", "cache_control": HOUR},
+            {"type": "text", "text": "Answer in French."},
+            {"type": "text", "text": "Cite sources.", "cache_control": EPHEMERAL},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "A long document.", "cache_control": EPHEMERAL},
+                    {
+                        "type": "image",
+                        "source": {"type": "url", "url": "https://example.com/cat.jpg"},
+                        "cache_control": HOUR,
+                    },
+                    {"type": "text", "text": "What is it?", "cache_control": HOUR},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "A cat.", "cache_control": EPHEMERAL}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "And this?", "cache_control": EPHEMERAL}],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "c1",
+                        "content": "ok",
+                        "cache_control": EPHEMERAL,
+                    },
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "c1",
+                        "content": [{"type": "text", "text": "done", "cache_control": HOUR}],
+                    },
+                ],
+            },
+        ],
+        "max_tokens": DEFAULT_MAX_TOKENS,
+        "tools": [
+            {
+                "name": "f",
+                "input_schema": {"type": "object", "properties": {}},
+                "cache_control": EPHEMERAL,
+            },
+            {"name": "g", "input_schema": {"type": "object", "properties": {}}},
+        ],
+    }
+
+
+def test_chat_cache_marker_that_is_not_an_object_is_dropped() -> None:
+    """A `cache_control` that is not an object is left out rather than refused or forwarded."""
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief.", "cache_control": "ephemeral"},
+            {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": True}]},
+        ]
+    }
+    out = chat_request_to_anthropic(body)
+    assert (out["system"], out["messages"]) == (
+        "Be brief.",
+        [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+    )
+
+
+def test_messages_cache_markers_are_dropped_towards_openai() -> None:
+    """Anthropic `cache_control` on system blocks, user, assistant and tool-result blocks and
+    tools never reaches an OpenAI-compatible upstream, and is never refused."""
+    body = {
+        "max_tokens": 10,
+        "system": [{"type": "text", "text": "Long rules.", "cache_control": HOUR}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Doc.", "cache_control": EPHEMERAL},
+                    {
+                        "type": "document",
+                        "source": {"type": "text", "media_type": "text/plain", "data": "x"},
+                        "cache_control": EPHEMERAL,
+                    },
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Let me see.", "cache_control": EPHEMERAL},
+                    {
+                        "type": "tool_use",
+                        "id": "t1",
+                        "name": "f",
+                        "input": {},
+                        "cache_control": EPHEMERAL,
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [{"type": "text", "text": "ok", "cache_control": EPHEMERAL}],
+                        "cache_control": EPHEMERAL,
+                    }
+                ],
+            },
+        ],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}, "cache_control": EPHEMERAL}],
+    }
+    out = messages_request_to_openai(body)
+    assert b"cache_control" not in orjson.dumps(out)
+    assert out["messages"] == [
+        {"role": "system", "content": "Long rules."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Doc."}, {"type": "text", "text": "x"}],
+        },
+        {
+            "role": "assistant",
+            "content": "Let me see.",
+            "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "t1", "content": "ok"},
+    ]
+    assert out["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+
+
+CACHED_ANTHROPIC_USAGE: dict[str, Any] = {
+    "input_tokens": 20,
+    "cache_creation_input_tokens": 300,
+    "cache_read_input_tokens": 1000,
+    "output_tokens": 7,
+}
+CACHED_OPENAI_USAGE: dict[str, Any] = {
+    "prompt_tokens": 1320,
+    "completion_tokens": 7,
+    "total_tokens": 1327,
+    "prompt_tokens_details": {"cached_tokens": 1000, "cache_write_tokens": 300},
+}
+
+
+def test_anthropic_cache_counts_reach_an_openai_client_whole() -> None:
+    """A Messages answer's cache reads and writes count in `prompt_tokens`; reads are
+    `prompt_tokens_details.cached_tokens` and writes `prompt_tokens_details.cache_write_tokens`."""
+    data = {**ANTHROPIC_MESSAGE, "usage": CACHED_ANTHROPIC_USAGE}
+    completion = ChatCompletion.model_validate(
+        orjson.loads(anthropic_response_to_openai(data, model="m"))
+    )
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.total_tokens) == (1320, 1327)
+    details = completion.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == 1000
+    assert details.cache_write_tokens == 300
+
+
+def test_anthropic_cache_counts_reach_an_openai_client_streamed() -> None:
+    """The same counts, remembered from message_start, end a translated stream's usage chunk."""
+    stream = ANTHROPIC_TOOL_STREAM.replace(
+        b'{"input_tokens":472,"cache_read_input_tokens":128,"output_tokens":2}',
+        orjson.dumps({**CACHED_ANTHROPIC_USAGE, "output_tokens": 1}),
+    )
+    assert stream != ANTHROPIC_TOOL_STREAM
+    out = anthropic_to_openai(stream, include_usage=True)
+    with (
+        openai_sdk(out) as client,
+        client.chat.completions.stream(
+            model="m", messages=HELLO, stream_options={"include_usage": True}
+        ) as events,
+    ):
+        completion = events.get_final_completion()
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (1320, 89)
+    details = completion.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == 1000
+    assert details.cache_write_tokens == 300
+
+
+def test_openai_cache_counts_reach_an_anthropic_client_whole() -> None:
+    """A chat answer's cached and cache-written tokens leave Anthropic's `input_tokens` and
+    become `cache_read_input_tokens` and `cache_creation_input_tokens`."""
+    data = {**OPENAI_COMPLETION, "usage": CACHED_OPENAI_USAGE}
+    message = Message.model_validate(orjson.loads(openai_response_to_anthropic(data, model="m")))
+    usage = message.usage
+    assert (
+        usage.input_tokens,
+        usage.cache_read_input_tokens,
+        usage.cache_creation_input_tokens,
+        usage.output_tokens,
+    ) == (20, 1000, 300, 7)
+
+
+def test_openai_cache_counts_reach_an_anthropic_client_streamed() -> None:
+    """The same, from a stream's usage chunk to its `message_delta`."""
+    stream = VLLM_STREAM.replace(
+        orjson.dumps(
+            {
+                "prompt_tokens": 300,
+                "completion_tokens": 42,
+                "total_tokens": 342,
+                "prompt_tokens_details": {"cached_tokens": 256},
+            }
+        ),
+        orjson.dumps({**CACHED_OPENAI_USAGE, "completion_tokens": 42}),
+    )
+    assert stream != VLLM_STREAM
+    with (
+        anthropic_sdk(openai_to_anthropic(stream)) as client,
+        client.messages.stream(model="m", max_tokens=100, messages=HELLO) as events,
+    ):
+        message = events.get_final_message()
+    usage = message.usage
+    assert (
+        usage.input_tokens,
+        usage.cache_read_input_tokens,
+        usage.cache_creation_input_tokens,
+        usage.output_tokens,
+    ) == (20, 1000, 300, 42)
+
+
+def test_usage_without_cache_counts_has_no_cache_fields() -> None:
+    """With no cache reads or writes, neither wire gains a cache-write field, and Anthropic's
+    usage has no cache fields at all."""
+    plain = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
+    to_anthropic = orjson.loads(
+        openai_response_to_anthropic({**OPENAI_COMPLETION, "usage": plain}, model="m")
+    )
+    assert to_anthropic["usage"] == {"input_tokens": 10, "output_tokens": 2}
+    to_openai = orjson.loads(
+        anthropic_response_to_openai(
+            {**ANTHROPIC_MESSAGE, "usage": {"input_tokens": 10, "output_tokens": 2}}, model="m"
+        )
+    )
+    assert to_openai["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

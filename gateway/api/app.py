@@ -1,5 +1,5 @@
-"""The app: its factory, its lifespan, and the routes the framework serves (models, admin,
-dashboard, metrics, health).
+"""The app: its factory, its lifespan, and the routes the framework serves (models, stored
+responses, admin, dashboard, metrics, health).
 
 Everything with a lifetime (provider clients, stores, background tasks) belongs to the `Runtime`
 the lifespan opens; a request reads its `Services` once, when admitted, so a config reload never
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -24,6 +24,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.admit import visible_models
+from gateway.api.conversation import delete_response, get_response, list_input_items, owner_of
+from gateway.api.count import count_routes
 from gateway.api.edge import LLM_ROUTES, EdgeMiddleware, context_of
 from gateway.api.render import error_response, http_error, unexpected_error
 from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
@@ -31,6 +33,7 @@ from gateway.errors import GatewayError, UnknownModelError, quote
 from gateway.latency import Recorder, TargetStats
 from gateway.openapi import build_openapi
 from gateway.providers.vllm import snapshot as vllm_snapshot
+from gateway.responses_store import ResponseStore
 from gateway.runtime import Runtime, Services
 from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.telemetry import configure_logging, exposition
@@ -83,14 +86,18 @@ def _services(scope: Scope) -> Services:
 
 
 def _latency_view(services: Services) -> dict[str, Any]:
-    """The body of `GET /admin/latency`: the snapshot, cooldowns, the store's health, the
-    configured models and cumulative request counts (what the dashboard draws)."""
+    """The body of `GET /admin/latency`: the snapshot, cooldowns, each deployment's prompt-cache
+    counts, the store's health, the configured models and cumulative request counts (what the
+    dashboard draws)."""
     body = services.latency.snapshot.as_dict()
     deployments = body["deployments"]
     for deployment, until in services.guards.cooldowns.until_wall().items():
         if deployment not in deployments:  # cooling since before the snapshot was taken
             deployments[deployment] = TargetStats.empty().as_dict()
         deployments[deployment]["cooldown_until"] = round(until, 3)
+    for deployment, cache in services.meters.prompt_tokens.by_deployment().items():
+        # Counted since start on this replica, not over the window like the rest of the entry.
+        deployments.setdefault(deployment, TargetStats.empty().as_dict())["prompt_cache"] = cache
     body["store"] = services.latency.health()
     if services.servers:
         body["vllm"] = vllm_snapshot(services.servers)
@@ -143,6 +150,7 @@ def _add_routes(app: FastAPI) -> None:
 
     for path in LLM_ROUTES:
         app.router.routes.append(Route(path, WrongMethod(), include_in_schema=False))
+    app.router.routes.extend(count_routes())  # POST /v1/messages/count_tokens, .../input_tokens
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
@@ -169,6 +177,25 @@ def _add_routes(app: FastAPI) -> None:
             )
             return error_response(missing, "openai")
         return Response(orjson.dumps(_model(services, model_id)), media_type="application/json")
+
+    @app.get("/v1/responses/{response_id}", responses=_NOT_STORED)
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return await _stored(request, get_response, response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=_NOT_STORED)
+    async def delete_stored_response(request: Request, response_id: str) -> Response:
+        return await _stored(request, delete_response, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", responses=_NOT_STORED)
+    async def response_input_items(
+        request: Request, response_id: str, limit: int = 20, order: str = "desc"
+    ) -> Response:
+        async def listed(store: ResponseStore, rid: str, owner: str) -> Response:
+            return await list_input_items(
+                store, rid, owner, limit=max(1, min(limit, 100)), order=order
+            )
+
+        return await _stored(request, listed, response_id)
 
     @app.get("/admin/latency")
     async def admin_latency(request: Request) -> Response:
@@ -240,3 +267,22 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
+
+
+_NOT_STORED: dict[int | str, dict[str, Any]] = {
+    404: {"description": "No stored response with that id for this key (`not_found`)."}
+}
+
+
+async def _stored(
+    request: Request,
+    action: Callable[[ResponseStore, str, str], Awaitable[Response]],
+    response_id: str,
+) -> Response:
+    """A stored-response route: its key's responses only, errors in the OpenAI shape."""
+    services = _services(request.scope)
+    owner = owner_of(context_of(request.scope).principal)
+    try:
+        return await action(services.responses, response_id, owner)
+    except GatewayError as error:
+        return error_response(error, "openai")

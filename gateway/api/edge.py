@@ -25,9 +25,10 @@ from gateway.api.admit import (
     model_of,
     resolve,
 )
+from gateway.api.conversation import continue_conversation, owner_of
 from gateway.api.outcome import RequestOutcome, record
 from gateway.api.relay import Proxy
-from gateway.api.render import send_error
+from gateway.api.render import send_error, wire_of
 from gateway.auth import Principal
 from gateway.errors import GatewayError
 from gateway.models import ENDPOINT_WIRE, Endpoint
@@ -40,6 +41,7 @@ LLM_ROUTES: dict[str, Endpoint] = {
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
     "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 # With keys configured: /v1/* needs a client key, the rest of these an admin key.
 _GUARDED_PREFIXES = ("/v1/", "/admin/", "/dashboard")
@@ -100,10 +102,13 @@ class EdgeMiddleware:
             runtime: Runtime = scope["state"]["runtime"]
             keyring = runtime.services.keyring
             if keyring.enabled:
+                wire = wire_of(path)  # /v1/messages/count_tokens: Anthropic's key header too
                 try:
-                    ctx.principal = authenticate(keyring, path, scope["headers"])
+                    ctx.principal = authenticate(
+                        keyring, path, scope["headers"], anthropic=wire == "anthropic"
+                    )
                 except GatewayError as error:
-                    await send_error(send, error, "openai", request_id)
+                    await send_error(send, error, wire, request_id)
                     return
         header = (b"x-request-id", request_id.encode())
 
@@ -138,6 +143,9 @@ async def serve_llm(
             admission.enter(ctx.principal)
             entered = True
             call, ticket = await admit(runtime, ctx.principal, scope, receive, endpoint)
+            if endpoint == "responses":  # the conversation so far, from the gateway's store
+                store = runtime.services.responses
+                call = await continue_conversation(store, call, owner_of(ctx.principal))
             services = runtime.services  # after the last await: the request keeps these
             spec = model_of(services, call, ctx.principal)
             ctx.model = spec.name

@@ -166,7 +166,9 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
         overhead_s=outcome.overhead_s,
         error_type=outcome.error_type,
     )
-    if opened is not None:  # the stages of `server-timing`, for `tailguard report`
+    if opened is not None:
+        services.meters.prompt_tokens.count(model, deployment, opened.tally.usage)
+        # The stages of `server-timing`, for `tailguard report`.
         services.meters.stages(
             model,
             arrived=arrived,
@@ -215,6 +217,9 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
                 "total_ms": round((now - arrived) * 1000, 3),
                 "input_tokens": tally.usage.input_tokens if tally is not None else None,
                 "output_tokens": tally.output_tokens if tally is not None else None,
+                # Of the input tokens, read from and written to the upstream's prompt cache.
+                "cached_tokens": tally.usage.cached_tokens if tally is not None else None,
+                "cache_write_tokens": tally.usage.cache_write_tokens if tally is not None else None,
                 "key": key,
                 "ttft_met": slo.get("ttft"),
                 "total_met": slo.get("total"),

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.admit import REQUEST_ID
+from gateway.api.conversation import keep, owner_of
 from gateway.api.outcome import RequestOutcome, record, start_trace
 from gateway.api.render import send_error
 from gateway.errors import (
@@ -71,7 +72,9 @@ class Proxy:
         # Bulk chat waits for a slot on its first candidate (see gateway/batching/gate.py).
         call = decision.call
         self._gate_lane: str | None = None
-        if call.priority == "bulk" and (call.stream or call.endpoint in ("chat", "messages")):
+        if call.priority == "bulk" and (
+            call.stream or call.endpoint in ("chat", "messages", "responses")
+        ):
             self._gate_lane = decision.plan.candidates[0].id
         self._gated = False
 
@@ -137,7 +140,9 @@ class Proxy:
                 cut = StreamInterruptedError(
                     why or "The gateway failed while relaying the response."
                 )
-                body = stream_error(cut, wire)
+                opened = self._outcome.opened
+                fail = opened.prepared.fail if opened is not None else None
+                body = fail(cut.code or cut.type, cut.message) if fail else stream_error(cut, wire)
                 await send({"type": "http.response.body", "body": body, "more_body": False})
             elif why is not None:
                 self._outcome.status = 503
@@ -188,8 +193,17 @@ class Proxy:
             self._outcome.queue_s = time.perf_counter() - queued
         return await open_first(ledger, self._decision.plan, services.latency.snapshot)
 
+    def _keep(self, opened: Opened) -> None:
+        """Store a finished Responses API answer for `previous_response_id` and GET."""
+        result = opened.prepared.result
+        if result is not None and result.response is not None:
+            owner = owner_of(self._outcome.ctx.principal)
+            keep(self._services.responses, self._call, result.response, owner)
+
     async def _respond(self, opened: Opened, send: Send, ledger: Ledger) -> None:
         body = b"".join(opened.head)
+        if opened.prepared.result is not None:
+            self._keep(opened)
         headers = _head(self._outcome, self._call, opened, _JSON)
         headers.append((b"content-length", str(len(body)).encode()))
         self._started = True
@@ -233,6 +247,8 @@ class Proxy:
                         break
                 if tally.tokens != tokens:
                     idle.progressed()
+                if finished and opened.prepared.result is not None:
+                    self._keep(opened)  # before the last event: the next turn may follow it
                 data = b"".join(out)
                 if data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -275,7 +291,9 @@ class Proxy:
             log.warning("request %s: stream cut: %s", self._request_id, failure.message)
             self._outcome.error_type = failure.code
             tally.finish_reasons.append("error")
-            body = stream_error(failure, call.wire)
+            fail = opened.prepared.fail
+            code = failure.code or failure.type
+            body = fail(code, failure.message) if fail else stream_error(failure, call.wire)
             await send({"type": "http.response.body", "body": body, "more_body": False})
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})

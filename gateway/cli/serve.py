@@ -8,8 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from gateway.auth import exposed_without_keys, is_loopback
-from gateway.cli.common import ConfigOption, err, load_or_exit
+from gateway.cli.common import ConfigOption, auth_summary, err, load_or_exit
 from gateway.config import CONFIG_PATH_ENV, LOG_LEVEL_ENV, config_path
 
 
@@ -45,30 +44,12 @@ def serve(
     bind_port = settings.server.port if port is None else port
     count = workers or settings.server.workers
     names = ", ".join(m.name for m in settings.models)
-    keys = settings.auth is not None and settings.auth.enabled
-    if not keys:
-        if exposed_without_keys(settings):
-            err.print(
-                f"[bold red]error:[/] no API keys are configured, so the gateway only listens on "
-                f"loopback, not on {escape(bind_host)}. Configure auth.keys (see `tailguard keys "
-                "new`), or pass --allow-unauthenticated if something in front of it "
-                "authenticates.",
-                highlight=False,
-            )
-            raise typer.Exit(code=2)
-        err.print(
-            "[yellow]note:[/] no API keys configured: "
-            + (
-                "requests are not authenticated"
-                if not is_loopback(bind_host)
-                else "listening on loopback only"
-            ),
-            highlight=False,
-        )
+    auth = auth_summary(settings)  # a refused exposure never gets here: load_or_exit stops it
+    style = "yellow" if auth.startswith("auth off —") else "default"
     err.print(
         f"Tailguard on http://{bind_host}:{bind_port}  ({count} worker{'s' if count > 1 else ''}; "
-        f"latency store: {settings.latency.store}; models: {names}; "
-        f"API keys: {'required' if keys else 'off'})\nconfig: {escape(str(config_path(config)))}",
+        f"latency store: {settings.latency.store}; models: {escape(names)})\n"
+        f"[{style}]{escape(auth)}[/]\nconfig: {escape(str(config_path(config)))}",
         highlight=False,
         soft_wrap=True,  # a log line: never folded at 80 columns, so a path stays whole
     )

@@ -151,6 +151,10 @@ class ProviderSpec(_Spec):
     """Connections to the upstream, at most."""
     max_keepalive_connections: Annotated[int, Field(ge=0)] = 100
     """Idle connections kept open for reuse."""
+    responses: Literal["translate", "native"] = "translate"
+    """How `/v1/responses` reaches this upstream: `translate` (to chat completions, or to Messages
+    for anthropic) or `native` (openai only: forwarded to its own `/responses`). The gateway
+    keeps the conversation state either way."""
     anthropic_version: str = "2023-06-01"
     """`anthropic-version` header (anthropic only)."""
     bulk_priority: int | None = None
@@ -171,6 +175,8 @@ class ProviderSpec(_Spec):
     def _check_kind(self) -> ProviderSpec:
         if self.bulk_priority is not None and self.type != "vllm":
             raise ValueError("bulk_priority is for providers of type vllm")
+        if self.responses == "native" and self.type != "openai":
+            raise ValueError("responses: native is for providers of type openai")
         if self.metrics_url is not None and self.type != "vllm":
             raise ValueError("metrics_url is for providers of type vllm")
         if self.type == "simulated":
@@ -397,6 +403,35 @@ class RateLimitSpec(_Spec):
             "outputs (then their mean is charged). The charge is settled with the real usage.",
         ),
     ] = 1024
+
+
+class ResponsesSpec(_Spec):
+    """The Responses API's stored responses (`GET /v1/responses/{id}`, `previous_response_id`),
+    kept by the gateway so that a conversation can move between providers."""
+
+    store: Literal["auto", "memory", "redis", "off"] = "auto"
+    """`auto`: Redis when `latency.store` is (or `redis_url` is set here), else memory;
+    `memory`: per replica; `redis`: shared by replicas, with a memory tier in front; `off`:
+    nothing is stored."""
+    redis_url: SecretStr | None = None
+    """Default: `latency.redis_url`."""
+    ttl_s: Annotated[int, Field(ge=60, le=366 * 86_400)] = 30 * 86_400
+    """How long a response is kept after its creation (s)."""
+    max_entries: Annotated[int, Field(ge=1)] = 10_000
+    """Responses held in this process's memory; beyond, the least recently used go (with
+    Redis they are still read from there)."""
+    max_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    """Bytes of responses held in this process's memory; beyond, the least recently used go."""
+    max_bytes_per_response: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
+    """A response with its conversation larger than this is not stored."""
+    redis_timeout_ms: Annotated[int, Field(gt=0, le=10_000)] = 250
+    """A read from Redis waits this long at most; then the request gets a 503."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ResponsesSpec:
+        if self.max_bytes_per_response > self.max_bytes:
+            raise ValueError("max_bytes_per_response exceeds max_bytes")
+        return self
 
 
 class AuthSpec(_Spec):

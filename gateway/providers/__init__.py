@@ -27,6 +27,6 @@ async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str,
 
 def can_serve(provider: Provider, endpoint: Endpoint) -> bool:
     """Whether a call to `endpoint` can go to `provider`, natively or translated."""
-    if endpoint in ("chat", "messages"):
+    if endpoint in ("chat", "messages", "responses"):
         return provider.wire == "anthropic" or provider.supports("chat")
     return provider.supports(endpoint)

@@ -24,6 +24,7 @@ from gateway.providers.decode import (
     decode_openai_body,
     openai_error,
 )
+from gateway.providers.decode_responses import ResponsesStreamDecoder, decode_responses_body
 from gateway.sse import SSEFramingError, SSEParser
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -89,11 +90,15 @@ class Decoder(Protocol):
     def decode(self, event: SSEEvent) -> Chunk: ...
 
 
-def stream_decoder(wire: Wire, *, lazy: bool = False) -> Decoder:
+def stream_decoder(wire: Wire, *, lazy: bool = False, responses: bool = False) -> Decoder:
+    if responses:
+        return ResponsesStreamDecoder()
     return AnthropicStreamDecoder() if wire == "anthropic" else OpenAIStreamDecoder(lazy=lazy)
 
 
-def decode_body(wire: Wire, body: bytes) -> Chunk:
+def decode_body(wire: Wire, body: bytes, *, responses: bool = False) -> Chunk:
+    if responses:
+        return decode_responses_body(body)
     return decode_anthropic_body(body) if wire == "anthropic" else decode_openai_body(body)
 
 
@@ -114,6 +119,7 @@ class ChunkStream:
         "_deployment",
         "_parser",
         "_read",
+        "_responses",
         "_translate",
         "_wire",
         "status",
@@ -133,6 +139,7 @@ class ChunkStream:
         status: int = 200,
         upstream_request_id: str | None = None,
         lazy: bool = False,
+        responses: bool = False,  # a native Responses API answer
     ) -> None:
         self._deployment = deployment
         self._wire = wire
@@ -143,7 +150,8 @@ class ChunkStream:
         self._closed = False
         self._body_read = False
         self._parser = SSEParser()
-        self._decoder = stream_decoder(wire, lazy=lazy)
+        self._decoder = stream_decoder(wire, lazy=lazy, responses=responses)
+        self._responses = responses
         self.status = status
         self.upstream_request_id = upstream_request_id
 
@@ -189,7 +197,7 @@ class ChunkStream:
             parts.append(data)
         body = b"".join(parts)
         try:
-            return [decode_body(self._wire, body)]
+            return [decode_body(self._wire, body, responses=self._responses)]
         except UpstreamProtocolError as exc:
             raise ProviderError(
                 f"invalid response from upstream: {scrub(str(exc))}",

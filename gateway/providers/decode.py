@@ -71,12 +71,23 @@ def _str(value: object) -> str | None:
 # --- OpenAI-compatible ---------------------------------------------------------------------------
 
 
+def openai_cache_tokens(usage: object) -> tuple[int | None, int | None]:
+    """The prompt tokens an OpenAI-compatible server read from its cache
+    (`prompt_tokens_details.cached_tokens`) and wrote to it (`..cache_write_tokens`), both part
+    of `prompt_tokens` (None: not reported; most servers report reads only)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if not isinstance(details, dict):
+        return None, None
+    return count(details.get("cached_tokens")), count(details.get("cache_write_tokens"))
+
+
 def _openai_usage(usage: object) -> Usage:
     if not isinstance(usage, dict):
         return Usage()  # not an object: no counts, the answer itself stands
-    details = usage.get("prompt_tokens_details")
-    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
-    return Usage(count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")), cached)
+    cached, written = openai_cache_tokens(usage)
+    return Usage(
+        count(usage.get("prompt_tokens")), count(usage.get("completion_tokens")), cached, written
+    )
 
 
 def _error_from_fields(fields: dict[str, Any], default_message: str) -> InBandError:
@@ -316,6 +327,11 @@ def anthropic_cached_tokens(usage: object) -> int | None:
     return count(usage.get("cache_read_input_tokens")) if isinstance(usage, dict) else None
 
 
+def anthropic_cache_write_tokens(usage: object) -> int | None:
+    """The prompt tokens Anthropic wrote to its cache (`cache_creation_input_tokens`)."""
+    return count(usage.get("cache_creation_input_tokens")) if isinstance(usage, dict) else None
+
+
 def anthropic_input_tokens(usage: object) -> int | None:
     """All prompt tokens: Anthropic counts cache reads and writes apart from `input_tokens`."""
     if not isinstance(usage, dict):
@@ -334,11 +350,12 @@ class AnthropicStreamDecoder:
     and writes (what `prompt_tokens` means on the OpenAI wire).
     """
 
-    __slots__ = ("_cached_tokens", "_input_tokens")
+    __slots__ = ("_cache_write_tokens", "_cached_tokens", "_input_tokens")
 
     def __init__(self) -> None:
         self._input_tokens: int | None = None
         self._cached_tokens: int | None = None
+        self._cache_write_tokens: int | None = None
 
     def decode(self, event: SSEEvent) -> Chunk:
         """One chunk per event; raises UpstreamProtocolError for data that is not a JSON object."""
@@ -368,23 +385,23 @@ class AnthropicStreamDecoder:
         if kind == "message_start":
             usage = obj["message"].get("usage")
             if usage:
-                self._input_tokens = anthropic_input_tokens(usage)
-                self._cached_tokens = anthropic_cached_tokens(usage)
+                self._remember(usage)
             return Chunk(raw=raw, data=obj)
         if kind == "message_delta":
             usage = obj.get("usage")
             usage = usage if isinstance(usage, dict) else {}
             # Newer API versions repeat cumulative input counts here; they win when present.
-            input_tokens = anthropic_input_tokens(usage)
-            if input_tokens is not None:
-                self._input_tokens = input_tokens
-                self._cached_tokens = anthropic_cached_tokens(usage)
+            if anthropic_input_tokens(usage) is not None:
+                self._remember(usage)
             return Chunk(
                 raw=raw,
                 data=obj,
                 finish_reason=obj["delta"].get("stop_reason"),
                 usage=Usage(
-                    self._input_tokens, count(usage.get("output_tokens")), self._cached_tokens
+                    self._input_tokens,
+                    count(usage.get("output_tokens")),
+                    self._cached_tokens,
+                    self._cache_write_tokens,
                 ),
             )
         if kind == "message_stop":
@@ -394,6 +411,11 @@ class AnthropicStreamDecoder:
             fields = error if isinstance(error, dict) else {"message": _str(error)}
             return Chunk(raw=raw, data=obj, error=_anthropic_error_fields(fields))
         return Chunk(raw=raw, data=obj)  # content_block_start/stop, ping, unknown future events
+
+    def _remember(self, usage: dict[str, Any]) -> None:
+        self._input_tokens = anthropic_input_tokens(usage)
+        self._cached_tokens = anthropic_cached_tokens(usage)
+        self._cache_write_tokens = anthropic_cache_write_tokens(usage)
 
 
 def decode_anthropic_body(body: bytes) -> Chunk:
@@ -425,6 +447,7 @@ def decode_anthropic_body(body: bytes) -> Chunk:
                     anthropic_input_tokens(usage_fields),
                     count(usage_fields.get("output_tokens")),
                     anthropic_cached_tokens(usage_fields),
+                    anthropic_cache_write_tokens(usage_fields),
                 )
             known = usage.output_tokens if usage is not None else None
             return Chunk(

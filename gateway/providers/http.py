@@ -138,6 +138,8 @@ class HTTPProvider:
         base = spec.base_url.rstrip("/")
         paths = _ANTHROPIC_PATHS if self.wire == "anthropic" else _OPENAI_PATHS
         self._urls = {endpoint: base + path for endpoint, path in paths.items()}
+        if spec.responses == "native":
+            self._urls["responses"] = base + "/responses"
         headers = {"content-type": "application/json"}
         key = spec.api_key.get_secret_value() if spec.api_key else None
         if self.wire == "anthropic":
@@ -208,6 +210,7 @@ class HTTPProvider:
             translate=lambda exc: self._error(deployment, exc),
             status=response.status,
             lazy=request.passthrough,
+            responses=request.endpoint == "responses",
             upstream_request_id=response.headers.get("x-request-id")
             or response.headers.get("request-id"),
         )

@@ -22,6 +22,17 @@ from gateway.providers.translate import (
     messages_request_to_openai,
     openai_response_to_anthropic,
 )
+from gateway.providers.translate.events import (
+    AnthropicToResponsesStream,
+    ChatToResponsesStream,
+    ResponsesEvents,
+    ResponsesPassthrough,
+    ResponsesResult,
+    anthropic_body_to_response,
+    chat_body_to_response,
+    native_body,
+)
+from gateway.providers.translate.items import new_id, responses_request_to_chat
 
 _STREAMED_WITH_USAGE = ("chat", "completions")
 _SENDABLE_DEPTH = 254  # orjson serialises no deeper
@@ -46,6 +57,10 @@ class Prepared:
     request: UpstreamRequest
     stream: StreamTranslator  # a fresh one per attempt: translators keep per-stream state
     body: Callable[[Chunk], bytes]  # non-streaming response body in the client's wire format
+    # Responses API only: how a stream cut after commit ends (code, message → the last
+    # events), and the Response object once the answer is complete (what the store keeps).
+    fail: Callable[[str, str], bytes] | None = None
+    result: ResponsesResult | None = None
 
 
 def prepare(
@@ -78,6 +93,8 @@ def _prepare(
     extra: dict[str, Any] = {}
     if call.priority == "bulk" and provider.bulk_priority is not None:
         extra["priority"] = provider.bulk_priority
+    if call.endpoint == "responses":
+        return _prepare_responses(call, provider, upstream_model, headers, extra)
     if call.wire == provider.wire:
         if call.wire == "openai":
             translator: StreamTranslator = OpenAIPassthrough(include_usage=call.include_usage)
@@ -130,3 +147,54 @@ def _prepare(
         return openai_response_to_anthropic(chunk.data or {}, model=upstream_model)
 
     return Prepared(request, OpenAIToAnthropicStream(model=upstream_model), to_anthropic)
+
+
+def _prepare_responses(
+    call: Call,
+    provider: Provider,
+    upstream_model: str,
+    headers: dict[str, str],
+    extra: dict[str, Any],
+) -> Prepared:
+    """A Responses call: forwarded to an upstream that serves it natively, else translated to
+    chat completions or Messages. The conversation (`previous_response_id`) was expanded into
+    `input` at the edge, so the upstream is asked to store nothing."""
+    result = ResponsesResult()
+    stream = call.stream
+    if provider.wire == "openai" and provider.supports("responses"):
+        native = {k: v for k, v in call.body.items() if k != "previous_response_id"}
+        native.update(model=upstream_model, store=False)
+        passthrough = ResponsesPassthrough(result)
+        request = UpstreamRequest("responses", orjson.dumps(native), stream, headers)
+
+        def forward(chunk: Chunk) -> bytes:
+            return native_body(chunk.data, chunk.raw, result)
+
+        return Prepared(request, passthrough, forward, passthrough.fail, result)
+
+    chat = responses_request_to_chat(call.body)
+    chat["model"] = upstream_model
+    response_id = new_id("resp_")
+    events = ResponsesEvents(call.body, response_id, upstream_model, result)
+    if provider.wire == "anthropic":
+        translated = chat_request_to_anthropic(chat)
+        translated["model"] = upstream_model
+        request = UpstreamRequest("messages", orjson.dumps(translated), stream, headers)
+
+        def from_anthropic(chunk: Chunk) -> bytes:
+            return anthropic_body_to_response(
+                chunk.data or {}, call.body, response_id, upstream_model, result
+            )
+
+        translator: StreamTranslator = AnthropicToResponsesStream(events, upstream_model)
+        return Prepared(request, translator, from_anthropic, events.fail, result)
+
+    chat.update(extra)
+    request = UpstreamRequest("chat", orjson.dumps(chat), stream, headers)
+
+    def from_chat(chunk: Chunk) -> bytes:
+        return chat_body_to_response(
+            chunk.data or {}, call.body, response_id, upstream_model, result
+        )
+
+    return Prepared(request, ChatToResponsesStream(events), from_chat, events.fail, result)

@@ -49,6 +49,8 @@ class AttemptTracer(Protocol):
         output_tokens: int | None = None,
         finish_reasons: Sequence[str] = (),
         response_model: str | None = None,
+        cache_read_tokens: int | None = None,
+        cache_write_tokens: int | None = None,
     ) -> None: ...
 
 
@@ -97,6 +99,8 @@ class Tally:
                 self.usage.output_tokens = chunk.usage.output_tokens
             if chunk.usage.cached_tokens is not None:
                 self.usage.cached_tokens = chunk.usage.cached_tokens
+            if chunk.usage.cache_write_tokens is not None:
+                self.usage.cache_write_tokens = chunk.usage.cache_write_tokens
         if chunk.finish_reason is not None and len(self.finish_reasons) < MAX_FINISH_REASONS:
             self.finish_reasons.append(chunk.finish_reason)  # one per choice; bounded whatever
 
@@ -401,6 +405,8 @@ class Ledger:
                     output_tokens=tally.output_tokens,
                     finish_reasons=tally.finish_reasons,
                     response_model=opened.candidate.deployment.model,
+                    cache_read_tokens=tally.usage.cached_tokens,
+                    cache_write_tokens=tally.usage.cache_write_tokens,
                 )
             live.claims.release()
         finally:

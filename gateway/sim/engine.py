@@ -6,12 +6,17 @@ each step slower as the batch fills (continuous batching). A completions request
 prompts (or `n` > 1) runs one sequence per choice, each in its own slot, as vLLM does. Faults and
 every other random choice are drawn by the planner (`gateway.sim.planner`) from one seeded RNG.
 
+Every parameter a client sends is honoured (`n`, `stop`, `logprobs`, `tools` and `tool_choice`,
+`response_format`, `seed`, `max_tokens`, ...), accepted as a hint that changes nothing in a
+simulation (`temperature`, `user`, ...) or refused with a 400 naming it (`gateway.sim.request`).
+A profile can add reasoning tokens before the answer and a prefix cache per model name.
+
 The engine speaks bytes in and bytes out (`SimEngine.handle`), so the in-process provider and the
 standalone server (`gateway.sim.server`) share one implementation. It reads a request
-(`gateway.sim.wire`), has it planned, lets simulated time pass on the batch slots
-(`Timeline`, over `gateway.sim.scheduler`) and has the reply written (`gateway.sim.writer`). With
-every delay at zero it never sleeps, and a streamed token costs one bytes concatenation (and a
-few counter updates).
+(`gateway.sim.request`), has it planned and its output drawn (`gateway.sim.planner`,
+`gateway.sim.output`), lets simulated time pass on the batch slots (`gateway.sim.timeline`) and
+has the reply written (`gateway.sim.writer`). With every delay at zero it never sleeps, and a
+streamed token of plain text costs one bytes concatenation (and a few counter updates).
 
 `GET /metrics` serves vLLM's Prometheus metrics, driven by the engine's real state
 (`gateway.sim.metrics`); it can be made to fail.
@@ -19,27 +24,28 @@ few counter updates).
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
 
+from gateway.sim import request as requests
 from gateway.sim import wire
 from gateway.sim.metrics import MetricsPage
+from gateway.sim.output import prompt_logprobs
 from gateway.sim.planner import Deployments, Plan, Planner, seeded
 from gateway.sim.profile import MetricsFault, MetricsNames, SimProfile
-from gateway.sim.scheduler import Pool, SimStats
+from gateway.sim.scheduler import SimStats
+from gateway.sim.timeline import Timeline
+from gateway.sim.tokens import block_hashes, pieces, text_tokens, token_ids
 from gateway.sim.wire import (
     INBAND_ERROR,
     SSE_HEADERS,
     BadRequestError,
-    SimConnectionReset,
     SimReply,
     json_reply,
 )
-from gateway.sim.writer import DONE, Frames, ReplyWriter, embeddings_body, usage
+from gateway.sim.writer import Frames, ReplyWriter, StreamHead, embeddings_body, request_usage
 
 __all__ = ["SimEngine"]
 
@@ -76,6 +82,7 @@ class SimEngine:
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/embeddings"): self._embeddings,
+            ("POST", "/tokenize"): self._tokenize,
         }
 
     @property
@@ -137,19 +144,57 @@ class SimEngine:
             )
         return json_reply(200, INBAND_ERROR)
 
+    def count_tokens(self, body: dict[str, Any]) -> int:
+        """Prompt tokens of a chat body (`messages`, and `tools` if any) or a completions body
+        (`prompt`: text, token ids, or a list of them, summed), as `usage.prompt_tokens` counts
+        them; other keys are ignored. Raises `wire.BadRequestError` for a body without either."""
+        if body.get("messages") is None and isinstance(body.get("prompt"), list):
+            return sum(tokens for _, tokens in requests.prompt_pieces(body["prompt"], "prompt"))
+        return _count(requests.read_tokenize(body, strict=False))
+
+    async def _tokenize(self, request: dict[str, Any]) -> SimReply:
+        """vLLM's `POST /tokenize`: `{count, max_model_len, tokens}` (and `token_strs` if asked)."""
+        prompt = requests.read_tokenize(request)
+        model = request.get("model")
+        profile = self.default
+        if isinstance(model, str) and model:
+            profile = self._deployments.resolve(model).profile
+        tokens = token_ids(prompt)
+        body: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": profile.max_input_tokens or profile.kv_tokens_per_seq,
+            "tokens": tokens,
+        }
+        if request.get("return_token_strs") is True:
+            body["token_strs"] = pieces(prompt) if isinstance(prompt, str) else None
+        return json_reply(200, orjson.dumps(body))
+
     async def _chat(self, request: dict[str, Any]) -> SimReply:
+        """Each of the `n` choices is a sequence of its own; under an integer `seed` choice `j`'s
+        output is a function of (seed, messages, j)."""
         model = wire.model_name(request)
         target = self._deployments.resolve(model)
-        chat = wire.read_chat(request, target.profile)
+        chat = requests.read_chat(request, target.profile)
         if (fault := self._faults(target.profile, chat.stream)) is not None:
             return fault
-        text = None if chat.seed is None else seeded(chat.seed, orjson.dumps(chat.messages), 0)
-        plan = self._planner.plan(target, chat.prompt_tokens, chat.max_tokens, text=text)
+        key = orjson.dumps(chat.messages) if chat.seed is not None else b""
+        blocks = block_hashes(chat.prompt) if target.cache is not None else None
+        plans: list[Plan] = []
+        for j in range(chat.n):
+            text = None if chat.seed is None else seeded(chat.seed, key, j)
+            first = plans[0] if plans else None
+            plan = self._planner.plan(
+                target, chat.prompt_tokens, chat.max_tokens, text=text, request=first
+            )
+            self._planner.compose(plan, chat.generation, chat.max_tokens, text=text)
+            plan.blocks = blocks
+            plans.append(plan)
         if chat.stream:
-            frames = self._writer.chat_frames(plan, include_usage=chat.include_usage)
-            return SimReply(200, dict(SSE_HEADERS), stream=self._timeline.stream(plan, frames))
-        await self._timeline.generate((plan,), plan.prompt_tokens)
-        return json_reply(200, self._writer.chat_body(model, plan))
+            frames, head = self._writer.chat_frames(plans, include_usage=chat.include_usage)
+            return self._stream(plans, frames, head, chat.prompt_tokens)
+        await self._timeline.generate(plans, chat.prompt_tokens)
+        body = self._writer.chat_body(model, plans, request_usage(plans, chat.prompt_tokens))
+        return json_reply(200, body)
 
     async def _completions(self, request: dict[str, Any]) -> SimReply:
         """Each prompt, and each of its `n` choices, is a sequence of its own (as in vLLM).
@@ -160,31 +205,67 @@ class SimEngine:
         """
         model = wire.model_name(request)
         target = self._deployments.resolve(model)
-        completions = wire.read_completions(request, target.profile)
+        completions = requests.read_completions(request, target.profile)
         if (fault := self._faults(target.profile, completions.stream)) is not None:
             return fault
         seed, max_tokens = completions.seed, completions.max_tokens
+        generation = completions.generation
         plans: list[Plan] = []
-        for key, tokens in completions.prompts:
+        for (key, tokens), prompt in zip(completions.prompts, completions.texts, strict=True):
+            blocks = block_hashes(prompt) if target.cache is not None else None
             for j in range(completions.per_prompt):
                 text = None if seed is None else seeded(seed, key, j)
                 first = plans[0] if plans else None
-                plans.append(
-                    self._planner.plan(target, tokens, max_tokens, text=text, request=first)
-                )
-        plan = plans[0]
-        if completions.stream:
-            frames = self._writer.completion_frames(plan, include_usage=completions.include_usage)
-            return SimReply(200, dict(SSE_HEADERS), stream=self._timeline.stream(plan, frames))
+                plan = self._planner.plan(target, tokens, max_tokens, text=text, request=first)
+                self._planner.compose(plan, generation, max_tokens, text=text, reasoning=False)
+                if plan.output is not None and generation.echo and isinstance(prompt, str):
+                    plan.output.echo = prompt
+                    if generation.logprobs is not None:
+                        rng = self._planner.rng if text is None else text
+                        plan.output.echo_logprobs = prompt_logprobs(
+                            prompt, generation.logprobs, rng
+                        )
+                plan.blocks = blocks
+                plans.append(plan)
         # Prompt tokens count once per prompt, whatever n is.
         prompt_tokens = sum(tokens for _, tokens in completions.prompts)
+        if completions.stream:
+            frames, head = self._writer.completion_frames(
+                plans, include_usage=completions.include_usage
+            )
+            return self._stream(
+                plans, frames, head, prompt_tokens, completions.per_prompt, chat=False
+            )
         await self._timeline.generate(plans, prompt_tokens)
-        return json_reply(200, self._writer.completions_body(model, plans, prompt_tokens))
+        usage = request_usage(plans, prompt_tokens, completions.per_prompt, chat=False)
+        return json_reply(200, self._writer.completions_body(model, plans, usage))
+
+    def _stream(
+        self,
+        plans: Sequence[Plan],
+        frames: Sequence[Frames],
+        head: StreamHead,
+        prompt_tokens: int,
+        per_prompt: int = 1,
+        *,
+        chat: bool = True,
+    ) -> SimReply:
+        usage_head = head.usage_head
+
+        def usage() -> bytes:
+            assert usage_head is not None
+            counted = request_usage(plans, prompt_tokens, per_prompt, chat=chat)
+            return usage_head + orjson.dumps(counted) + b"}\n\n"
+
+        stream = self._timeline.stream(
+            plans, frames, None if usage_head is None else usage, prompt_tokens
+        )
+        return SimReply(200, dict(SSE_HEADERS), stream=stream)
 
     async def _embeddings(self, request: dict[str, Any]) -> SimReply:
         model = wire.model_name(request)
         target = self._deployments.resolve(model)
-        embeddings = wire.read_embeddings(request, target.profile)
+        embeddings = requests.read_embeddings(request, target.profile)
         profile = target.profile
         if (fault := self._faults(profile, stream=False)) is not None:
             return fault
@@ -197,203 +278,5 @@ class SimEngine:
         return json_reply(200, body)
 
 
-class Timeline:
-    """Where simulated time passes: stalls, queueing for a batch slot, prefill and decode.
-
-    It closes each request's account in the engine's `stats`: `completed`, `cancelled` (the
-    client left first) or `faults` (a cut connection), and its tokens.
-    """
-
-    def __init__(self, stats: SimStats) -> None:
-        self.stats = stats
-
-    async def work(
-        self, pool: Pool, stall_s: float, work_s: float, cut: bool, *, prompt_tokens: int
-    ) -> None:
-        """A non-generating request: stall, queue, hold a slot for `work_s`, then finish."""
-        stats, metrics = self.stats, pool.metrics
-        arrived = time.monotonic()
-        try:
-            if stall_s:
-                await asyncio.sleep(stall_s)
-            try:
-                await pool.acquire()
-            except asyncio.CancelledError:
-                metrics.done(arrived, "abort")
-                raise
-            pool.kv_tokens += prompt_tokens
-            reason = "abort"
-            try:
-                if work_s:
-                    await asyncio.sleep(work_s)
-                metrics.prompt_tokens += prompt_tokens
-                reason = "stop"
-            finally:
-                pool.release()
-                pool.kv_tokens -= prompt_tokens
-                metrics.done(arrived, reason)
-        except asyncio.CancelledError:
-            stats.cancelled += 1
-            stats.changed()
-            raise
-        stats.prompt_tokens += prompt_tokens
-        self._finish(cut)
-
-    def _finish(self, cut: bool) -> None:
-        stats = self.stats
-        if cut:  # the work was done, then the connection dropped instead of the answer
-            stats.faults += 1
-            stats.changed()
-            raise SimConnectionReset("simulated connection drop before the response")
-        stats.completed += 1
-        stats.changed()
-
-    async def generate(self, plans: Sequence[Plan], prompt_tokens: int) -> None:
-        """A non-streaming generation: the same timeline as a stream, without the frames.
-
-        The request stalls once, then its sequences run concurrently, each in its own batch slot
-        (queueing FIFO for one like any other request); it answers when the last one is done.
-        """
-        stats = self.stats
-        try:
-            if plans[0].stall_s:
-                await asyncio.sleep(plans[0].stall_s)
-            if len(plans) == 1:
-                await self._sequence(plans[0])
-            else:  # cancelling the request cancels every sequence and waits for their slots
-                await asyncio.gather(*(self._sequence(plan) for plan in plans))
-        except asyncio.CancelledError:
-            stats.cancelled += 1
-            stats.changed()
-            raise
-        stats.prompt_tokens += prompt_tokens
-        stats.generation_tokens += sum(plan.n for plan in plans)
-        self._finish(plans[0].cut)
-
-    async def _sequence(self, plan: Plan) -> None:
-        """One sequence: a batch slot, held through prefill and decode (sending nothing)."""
-        target = plan.target
-        pool, metrics = target.pool, target.pool.metrics
-        try:
-            await pool.acquire()
-        except asyncio.CancelledError:
-            metrics.done(plan.arrived, "abort")
-            raise
-        held = plan.prompt_tokens  # in the simulated KV cache
-        pool.kv_tokens += held
-        reason = "abort"
-        try:
-            if plan.ttft_s:
-                await asyncio.sleep(plan.ttft_s)
-            metrics.first_token(plan.arrived, plan.prompt_tokens)
-            pool.kv_tokens += 1
-            held += 1
-            metrics.generation_tokens += 1
-            steps, step_s = plan.n - 1, target.step_s
-            slowdown = target.profile.batch_slowdown
-            if steps > 0 and step_s and slowdown:
-                loop = asyncio.get_running_loop()
-                due = loop.time()
-                for _ in range(steps):  # the batch may fill or drain between any two steps
-                    step = pool.step_s(step_s, slowdown)
-                    due += step
-                    if (delay := due - loop.time()) > 0:
-                        await asyncio.sleep(delay)
-                    metrics.itl.observe(step)
-                    pool.kv_tokens += 1
-                    held += 1
-                    metrics.generation_tokens += 1
-            elif steps > 0:  # constant step time: one sleep
-                if step_s:
-                    await asyncio.sleep(steps * step_s)
-                metrics.itl.observe(step_s, steps)
-                pool.kv_tokens += steps
-                held += steps
-                metrics.generation_tokens += steps
-            reason = plan.finish_reason
-        finally:
-            pool.release()
-            pool.kv_tokens -= held
-            metrics.done(plan.arrived, reason)
-
-    async def stream(self, plan: Plan, frames: Frames) -> AsyncGenerator[bytes, None]:
-        """One streamed sequence: its frames, paced by prefill and decode, in a batch slot."""
-        first, token_head, token_tails = frames.first, frames.token_head, frames.token_tails
-        stats, target = self.stats, plan.target
-        pool = target.pool
-        metrics = pool.metrics
-        stats.open_streams += 1
-        stats.changed()
-        queued = acquired = done = cut = False
-        sent = held = 0  # tokens sent; tokens held in the simulated KV cache
-        step_s = target.step_s
-        slowdown = target.profile.batch_slowdown if step_s else 0.0
-        try:
-            if plan.stall_s:
-                await asyncio.sleep(plan.stall_s)
-            queued = True
-            await pool.acquire()
-            acquired = True
-            held = plan.prompt_tokens
-            pool.kv_tokens += held
-            if plan.ttft_s:
-                await asyncio.sleep(plan.ttft_s)
-            metrics.first_token(plan.arrived, plan.prompt_tokens)
-            if first is not None:
-                yield first
-            n, offset, words = plan.n, plan.offset, len(token_tails)
-            limit = min(n, max(1, n // 2)) if plan.cut else n
-            if step_s:
-                loop = asyncio.get_running_loop()
-                due = loop.time()
-            for i in range(limit):
-                if step_s and i:
-                    # A virtual clock: a slow reader gets a burst, not a slower model.
-                    step = pool.step_s(step_s, slowdown)
-                    due += step
-                    if slowdown:
-                        metrics.itl.observe(step)
-                    if (delay := due - loop.time()) > 0:
-                        await asyncio.sleep(delay)
-                sent = i + 1
-                pool.kv_tokens += 1
-                held += 1
-                metrics.generation_tokens += 1
-                yield token_head + token_tails[(offset + i) % words]
-            if plan.cut:
-                cut = True
-                raise SimConnectionReset("simulated connection drop mid-stream")
-            yield frames.finish
-            if frames.usage_head is not None:
-                yield frames.usage_head + orjson.dumps(usage(plan.prompt_tokens, n)) + b"}\n\n"
-            done = True
-            yield DONE
-        finally:
-            if acquired:
-                pool.release()
-                pool.kv_tokens -= held
-            if not slowdown and sent > 1:  # constant step time: every interval was one step
-                metrics.itl.observe(step_s, sent - 1)
-            if queued:
-                metrics.done(plan.arrived, plan.finish_reason if done else "abort")
-            stats.open_streams -= 1
-            stats.generation_tokens += sent
-            if done:
-                stats.prompt_tokens += plan.prompt_tokens
-                stats.completed += 1
-            elif cut:
-                stats.faults += 1
-            else:
-                stats.cancelled += 1
-            stats.changed()
-
-    async def error_stream(self, error: bytes) -> AsyncGenerator[bytes, None]:
-        """A 200 stream whose first event is an error object (counted as a fault already)."""
-        self.stats.open_streams += 1
-        self.stats.changed()
-        try:
-            yield b"data: " + error + b"\n\n"
-            yield DONE
-        finally:
-            self.stats.open_streams -= 1
-            self.stats.changed()
+def _count(prompt: str | list[int]) -> int:
+    return len(prompt) if isinstance(prompt, list) else text_tokens(len(prompt))

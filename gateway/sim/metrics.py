@@ -1,8 +1,8 @@
 """vLLM's Prometheus `/metrics` page, driven by the simulator's real state.
 
-The queue gauges, an approximate KV-cache usage, the TTFT, inter-token and end-to-end histograms
-with vLLM's buckets, and the token and finished-request counters, per model name, under the
-current or the older (deprecated) names; the page can be made to fail.
+The queue gauges, an approximate KV-cache usage, the TTFT, inter-token, prefill and end-to-end
+histograms with vLLM's buckets, the token, prefix-cache and finished-request counters, per model
+name, under the current or the older (deprecated) names; the page can be made to fail.
 """
 
 from __future__ import annotations
@@ -77,16 +77,30 @@ class PoolGauges(Protocol):
 class ModelMetrics:
     """vLLM's series for one served model name (over every batch pool of that name)."""
 
-    __slots__ = ("e2e", "finished", "generation_tokens", "itl", "pools", "prompt_tokens", "ttft")
+    __slots__ = (
+        "e2e",
+        "finished",
+        "generation_tokens",
+        "itl",
+        "pools",
+        "prefill",
+        "prefix_hits",
+        "prefix_queries",
+        "prompt_tokens",
+        "ttft",
+    )
 
     def __init__(self) -> None:
         self.pools: list[PoolGauges] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which were found there
         self.finished = dict.fromkeys(FINISHED_REASONS, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.prefill = Histogram(E2E_BUCKETS)  # vLLM's buckets for it are the e2e ones
 
     def first_token(self, arrived: float, prompt_tokens: int) -> None:
         """A sequence's prefill is done and its first token out."""
@@ -94,8 +108,9 @@ class ModelMetrics:
         self.prompt_tokens += prompt_tokens
 
     def done(self, arrived: float, reason: str) -> None:
-        """A sequence finished: `stop`, `length` or `abort` (the client left, or a cut)."""
-        self.finished[reason] += 1
+        """A sequence finished: `stop`, `length` or `abort` (the client left, or a cut); the
+        API's `tool_calls` is the engine's `stop`, as in vLLM."""
+        self.finished[reason if reason in self.finished else "stop"] += 1
         if reason != "abort":
             self.e2e.observe(time.monotonic() - arrived)
 
@@ -139,7 +154,10 @@ class MetricsPage:
         histogram takes one decode step per token after the first; e2e, arrival to the last token
         of a finished (not aborted) sequence. `request_success_total{finished_reason}` counts
         `stop`, `length` and `abort` (a client that left, a cut stream); prompt tokens are
-        counted at prefill, generated ones as they are made.
+        counted at prefill, generated ones as they are made. `prefix_cache_queries` and
+        `prefix_cache_hits` count prompt tokens looked up in the prefix cache and found there
+        (the legacy names: the `gpu_prefix_cache_hit_rate` gauge); the prefill histogram takes
+        each sequence's simulated prefill time (what the cache did not hold), not a wall clock.
         """
         current = self.names in ("current", "both")
         legacy = self.names in ("legacy", "both")
@@ -181,14 +199,34 @@ class MetricsPage:
             gauges(
                 "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage
             )
-        for name, text, attr in (
+        if legacy:
+            gauges(
+                "vllm:gpu_prefix_cache_hit_rate",
+                "GPU prefix cache block hit rate.",
+                lambda m: m.prefix_hits / m.prefix_queries if m.prefix_queries else 0.0,
+            )
+        counters = [
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
             (
                 "vllm:generation_tokens",
                 "Number of generation tokens processed.",
                 "generation_tokens",
             ),
-        ):
+        ]
+        if current:
+            counters += [
+                (
+                    "vllm:prefix_cache_queries",
+                    "Prefix cache queries, in terms of number of queried tokens.",
+                    "prefix_queries",
+                ),
+                (
+                    "vllm:prefix_cache_hits",
+                    "Prefix cache hits, in terms of number of cached tokens.",
+                    "prefix_hits",
+                ),
+            ]
+        for name, text, attr in counters:
             head(name, "counter", text)
             out.extend(
                 f"{name}_total{{{labels}}} {float(getattr(m, attr))!r}" for labels, m in series
@@ -228,6 +266,13 @@ class MetricsPage:
                 "vllm:e2e_request_latency_seconds",
                 "Histogram of e2e request latency in seconds.",
                 lambda m: m.e2e,
+            )
+        )
+        histograms.append(
+            (
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                lambda m: m.prefill,
             )
         )
         for name, text, pick in histograms:

@@ -3,7 +3,7 @@
 Faults (429, 500, resets, stalls, cut streams, in-band errors) are drawn per request at the
 profile's rates, and each sequence's length, prefill and first word before any time passes.
 Every draw comes from one seeded RNG in arrival order, so a run is reproducible; a request's own
-integer `seed` makes each choice's text a function of (seed, prompt) alone.
+integer `seed` makes each choice's output a function of (seed, prompt, choice) alone.
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ from typing import Final
 import orjson
 
 from gateway.sim.metrics import MetricsPage
+from gateway.sim.options import Generation
+from gateway.sim.output import Output, compose
+from gateway.sim.prefix import PrefixCache
 from gateway.sim.profile import SimProfile, apply_overrides
 from gateway.sim.scheduler import Pool, SimStats
+from gateway.sim.schema import SchemaError
 from gateway.sim.text import TOKENS
 from gateway.sim.wire import (
     BadRequestError,
@@ -45,6 +49,11 @@ class Target:
     prefill_base_s: float
     prefill_per_token_s: float
     step_s: float  # one decode step with the batch empty; 0: no decode delay
+    cache: PrefixCache | None  # the model name's prefix cache; None: off
+
+    def prefill_s(self, tokens: int, factor: float) -> float:
+        """The prefill of `tokens` prompt tokens, its tail factor applied."""
+        return (self.prefill_base_s + tokens * self.prefill_per_token_s) * factor
 
 
 @dataclass(slots=True)
@@ -53,6 +62,7 @@ class Plan:
 
     A request generates one sequence per choice (several for a list of prompts, or `n` > 1); each
     takes its own batch slot. `stall_s` and `cut` belong to the request: its sequences share them.
+    The prefix cache is looked up when the sequence is scheduled, which may shorten its prefill.
     """
 
     target: Target
@@ -61,9 +71,20 @@ class Plan:
     finish_reason: str
     offset: int  # first word of the pseudo-text
     stall_s: float
-    ttft_s: float  # prefill (with tail) plus any slow-request stall
+    prefill_s: float  # prefill of the whole prompt, tail included
+    slow_s: float  # a slow request's extra TTFT
     cut: bool
     arrived: float  # time.monotonic() when the request was read: TTFT and e2e run from here
+    natural: int  # the drawn answer length, before max_tokens
+    factor: float = 1.0  # the prefill's tail factor
+    blocks: list[bytes] | None = None  # the prompt's block hashes, when the model caches
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    output: Output | None = None  # None: plain pseudo-text of `n` tokens from `offset`
+
+    @property
+    def ttft_s(self) -> float:
+        """Prefill (with tail) plus any slow-request stall, before any prefix cache hit."""
+        return self.prefill_s + self.slow_s
 
 
 class Deployments:
@@ -85,6 +106,7 @@ class Deployments:
         self._stats = stats
         self._page = page
         self._pools: dict[tuple[str, int], Pool] = {}
+        self._caches: dict[tuple[str, int], PrefixCache] = {}
         self.resolve = functools.lru_cache(maxsize=_OVERRIDE_CACHE_SIZE)(self._resolve_uncached)
 
     def _resolve_uncached(self, model: str) -> Target:
@@ -104,6 +126,12 @@ class Deployments:
             pool = self._pools[pool_key] = Pool(
                 profile.max_batch, self._stats, self._page.model(name), profile.kv_tokens_per_seq
             )
+        cache = None
+        if profile.prefix_cache_tokens:
+            cache_key = (name, profile.prefix_cache_tokens)
+            cache = self._caches.get(cache_key)
+            if cache is None:
+                cache = self._caches[cache_key] = PrefixCache(profile.prefix_cache_tokens)
         return Target(
             profile=profile,
             pool=pool,
@@ -111,14 +139,16 @@ class Deployments:
             prefill_base_s=profile.prefill_base_ms / 1000,
             prefill_per_token_s=profile.prefill_ms_per_token / 1000,
             step_s=1 / profile.tokens_per_s if profile.tokens_per_s else 0.0,
+            cache=cache,
         )
 
 
 def seeded(seed: int, key: bytes, choice: int) -> random.Random:
-    """The RNG of one choice's text under a request seed: a function of (seed, prompt, choice).
+    """The RNG of one choice's output under a request seed: a function of (seed, prompt, choice).
 
-    It draws the output length and the first word, so a prompt gets the same text alone or inside
-    a batch of prompts, whatever else the engine has drawn before.
+    It draws the output length, the first word and the rest of the output (reasoning, JSON, tool
+    calls, log probabilities), so a prompt gets the same answer alone or inside a batch of
+    prompts, whatever else the engine has drawn before.
     """
     digest = hashlib.blake2b(b"%d\x00%d\x00" % (seed, choice) + key, digest_size=8).digest()
     return random.Random(int.from_bytes(digest, "little"))
@@ -135,6 +165,11 @@ class Planner:
         self._stats = stats
         # The first draw: response ids differ between engines (and between seeds).
         self.id_prefix = f"{self._rng.getrandbits(32):08x}"
+
+    @property
+    def rng(self) -> random.Random:
+        """The engine's RNG, for the draws of a request without a seed of its own."""
+        return self._rng
 
     def _hit(self, rate: float) -> bool:
         return rate > 0 and self._rng.random() < rate
@@ -192,11 +227,12 @@ class Planner:
         n, finish = natural, "stop"
         if max_tokens is not None and max_tokens < natural:
             n, finish = max_tokens, "length"
-        ttft_s = target.prefill_base_s + prompt_tokens * target.prefill_per_token_s
-        if ttft_s and profile.ttft_tail == "lognormal" and profile.ttft_sigma:
-            ttft_s *= rng.lognormvariate(0.0, profile.ttft_sigma)
-        if self._hit(profile.slow_rate):
-            ttft_s += self._ms(profile.slow_ms) / 1000
+        factor = 1.0
+        prefill_s = target.prefill_s(prompt_tokens, 1.0)
+        if prefill_s and profile.ttft_tail == "lognormal" and profile.ttft_sigma:
+            factor = rng.lognormvariate(0.0, profile.ttft_sigma)
+            prefill_s *= factor
+        slow_s = self._ms(profile.slow_ms) / 1000 if self._hit(profile.slow_rate) else 0.0
         if request is None:
             stall_s = profile.stall_ms / 1000 if self._hit(profile.stall_rate) else 0.0
             cut = self._hit(profile.cut_rate)
@@ -204,4 +240,54 @@ class Planner:
             stall_s, cut = request.stall_s, request.cut
         offset = words.randrange(len(TOKENS))
         arrived = time.monotonic() if request is None else request.arrived
-        return Plan(target, prompt_tokens, n, finish, offset, stall_s, ttft_s, cut, arrived)
+        return Plan(
+            target,
+            prompt_tokens,
+            n,
+            finish,
+            offset,
+            stall_s,
+            prefill_s,
+            slow_s,
+            cut,
+            arrived,
+            natural,
+            factor,
+        )
+
+    def compose(
+        self,
+        plan: Plan,
+        generation: Generation,
+        max_tokens: int | None,
+        *,
+        text: random.Random | None = None,
+        reasoning: bool = True,
+    ) -> None:
+        """Draw the choice's output, unless it is plain pseudo-text (the fast path), and set
+        its length and finish reason. `reasoning`: the endpoint has a place for reasoning
+        tokens (chat). Raises BadRequestError for a schema that fails on this draw."""
+        profile = plan.target.profile
+        reasoning_tokens = profile.reasoning_tokens if reasoning else 0
+        if not reasoning_tokens and generation.plain():
+            return
+        try:
+            output = compose(
+                generation,
+                self._rng if text is None else text,
+                reasoning_tokens=reasoning_tokens,
+                natural=plan.natural,
+                offset=plan.offset,
+                max_tokens=max_tokens,
+                tool_call_rate=profile.tool_call_rate,
+                most_calls=profile.parallel_tool_calls,
+            )
+        except SchemaError as exc:
+            raise BadRequestError(
+                f"the simulator cannot generate a value for a schema: {exc}",
+                "tools" if generation.tools else "response_format",
+                code="unsupported_parameter",
+            ) from None
+        plan.output = output
+        plan.n = output.tokens
+        plan.finish_reason = output.finish_reason

@@ -106,6 +106,37 @@ class SimProfile(BaseModel):
         16,
         description="Natural output length, or a [lo, hi] range; the request's max_tokens caps it.",
     )
+    reasoning_tokens: TokenRange = Field(
+        0,
+        description="Reasoning tokens generated before the answer, or a [lo, hi] range: streamed "
+        "as `delta.reasoning_content` (vLLM's field), `message.reasoning_content` in a whole "
+        "body, counted in `usage.completion_tokens_details.reasoning_tokens`. They take decode "
+        "time like any token, and the request's max_tokens caps reasoning and answer together.",
+    )
+    # Tool calls and the prefix cache.
+    tool_call_rate: Rate = Field(
+        1.0,
+        description="Share of chat requests with `tools` and `tool_choice: auto` (the default) "
+        "that answer with tool calls, drawn per request. Only when the last message is not a "
+        "tool result: after one the model answers in text, so an agent loop ends.",
+    )
+    parallel_tool_calls: int = Field(
+        1,
+        ge=1,
+        le=128,
+        description="Most tool calls in one answer when the request allows parallel calls "
+        "(`parallel_tool_calls` true, the default); the count is drawn from 1 to this, each "
+        "call's tool from the request's tools. `parallel_tool_calls: false` makes it one.",
+    )
+    prefix_cache_tokens: int = Field(
+        0,
+        ge=0,
+        description="Capacity of the model name's prefix cache, in prompt tokens (whole "
+        "16-token blocks, least recently used evicted); 0 turns it off. A prompt that starts "
+        "with cached blocks prefills only the rest, reports them in "
+        "`usage.prompt_tokens_details.cached_tokens`, and counts them in `/metrics` "
+        "(`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`).",
+    )
     # Embeddings.
     embed_base_ms: NonNegative = Field(0.0, description="Fixed cost of one embeddings call (ms).")
     embed_ms_per_input: NonNegative = Field(0.0, description="Cost per embedded input (ms).")

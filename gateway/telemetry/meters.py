@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from gateway import semconv as sc
 from gateway.latency import BYTES_PER_TOKEN, CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Sample, Snapshot
 from gateway.telemetry.prometheus import EventLoopCollector, LatencyStoreCollector
+from gateway.telemetry.usage import PromptTokens
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # `*_created` series double the exposition and no dashboard reads them
 _ABANDONED = (TTFT_DEADLINE, HEDGE_LOST, CANCELLED)  # attempts cut short: no duration of their own
@@ -43,6 +44,7 @@ GATEWAY_ERRORS: Final = frozenset(
         *("upstream_overloaded", "upstream_rejected", "upstream_stream_error"),
         *("upstream_timeout", "not_found", "method_not_allowed", "http_error", "internal_error"),
         *("duplicate_key", "invalid_http_request", "json_too_deep"),
+        *("store_unavailable", "previous_response_not_found", "response_not_found"),
         # error types, for an error without a code
         *("server_error", "invalid_request_error", "rate_limit_error", "requests", "tokens"),
         # how a request ended without an error response
@@ -204,6 +206,9 @@ class Meters:
             ["model", "deployment"],
             registry=registry,
         )
+        # Prompt tokens and the part the upstream's prompt cache served, exposed at scrape time.
+        self.prompt_tokens = PromptTokens()
+        registry.register(PromptTokensCollector(self.prompt_tokens))
 
     def describe(self, deployments: Mapping[str, tuple[str, str]]) -> None:
         """Learn the (provider name, upstream model) of deployments (a reload may add some)."""
@@ -361,6 +366,45 @@ class GuardsCollector(Collector):
         )
         dropped.add_metric([], float(self._spans_dropped()))
         yield dropped
+
+
+class PromptTokensCollector(Collector):
+    """The prompt tokens of committed requests, and those the upstream read from and wrote to
+    its prompt cache, per model and deployment, read from `PromptTokens` at scrape time. A cache
+    count has a series only once its upstream reported one."""
+
+    def __init__(self, tokens: PromptTokens) -> None:
+        self._tokens = tokens
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "deployment"]
+        families = (
+            CounterMetricFamily(
+                sc.INPUT_TOKENS,
+                "Prompt tokens of committed client requests, as the upstream reported them (cache "
+                "reads and writes included), by the model asked for and the deployment that "
+                "served.",
+                labels=labels,
+            ),
+            CounterMetricFamily(
+                sc.CACHED_INPUT_TOKENS,
+                "Prompt tokens of committed client requests that the upstream read from its "
+                "prompt cache (part of tailguard_input_tokens_total).",
+                labels=labels,
+            ),
+            CounterMetricFamily(
+                sc.CACHE_WRITE_INPUT_TOKENS,
+                "Prompt tokens of committed client requests that the upstream wrote to its "
+                "prompt cache (part of tailguard_input_tokens_total; Anthropic's "
+                "cache_creation_input_tokens).",
+                labels=labels,
+            ),
+        )
+        for key, counts in sorted(self._tokens.counts.items()):
+            for family, value in zip(families, counts, strict=True):
+                if value is not None:
+                    family.add_metric(list(key), float(value))
+        yield from families
 
 
 class ExtraLoadCollector(Collector):
@@ -521,6 +565,7 @@ def catalogue() -> list[MetricInfo]:
         snapshot = Snapshot(window_s=60, taken_at=0.0, source="memory")
         collectors: list[Collector] = [
             *(m for m in vars(meters).values() if isinstance(m, MetricWrapperBase)),
+            PromptTokensCollector(meters.prompt_tokens),
             LatencyStoreCollector(lambda: {"type": "memory", "state": "ok"}, dict),
             GuardsCollector(dict, dict, int, int),
             BatchingCollector(lambda: BatchingState({}, {}, {}, {}, 0)),

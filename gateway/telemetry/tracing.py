@@ -179,7 +179,11 @@ class RequestTrace:
         output_tokens: int | None = None,
         finish_reasons: Sequence[str] = (),
         response_model: str | None = None,
+        cache_read_tokens: int | None = None,
+        cache_write_tokens: int | None = None,
     ) -> None:
+        """End an attempt's span with how it ended and what the upstream reported (a count it
+        did not report is left out; the cache counts are part of `input_tokens`)."""
         # One set_attributes call: each set_attribute takes the span's lock.
         attributes: dict[str, Any] = {sc.TG_ATTEMPT_OUTCOME: outcome}
         if ttft_s is not None:
@@ -188,6 +192,10 @@ class RequestTrace:
             attributes[sc.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
         if output_tokens is not None:
             attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
+        if cache_read_tokens is not None:
+            attributes[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = cache_read_tokens
+        if cache_write_tokens is not None:
+            attributes[sc.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS] = cache_write_tokens
         if finish_reasons:
             # The upstream's words: a few, each bounded (and a string, whatever it sent).
             attributes[sc.GEN_AI_RESPONSE_FINISH_REASONS] = [

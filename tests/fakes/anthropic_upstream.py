@@ -24,6 +24,10 @@ The requested model name is the script, `claude-x@directive,directive,...`:
 - `slow_ms=N`: N ms before every content delta (before a non-streaming answer: N ms per word).
   The pause ends early when the client leaves.
 
+`POST /v1/messages/count_tokens` answers `{"input_tokens": N}`, N counted as for `input_tokens`
+above; like the real API it refuses generation settings (`max_tokens`, `stream`), and the same
+scripts apply (`status=N`, `slow_ms=N`: N ms before the answer).
+
 Every request is recorded (`requests`: path, lower-cased headers, parsed body). Streams count as
 `streams_finished` (the fake sent all it meant to) or `streams_abandoned` (the client disconnected
 first); `await fake.wait_for(predicate)` returns once a predicate over the fake holds.
@@ -71,6 +75,7 @@ _ERROR_MESSAGES: Final[dict[str, str]] = {
     "rate_limit_error": "Number of request tokens has exceeded your per-minute rate limit",
 }
 _JSON: Final = (b"content-type", b"application/json")
+COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
 _SSE: Final = (b"content-type", b"text/event-stream; charset=utf-8")
 
 
@@ -217,6 +222,9 @@ class AnthropicFake:
         request_id = f"req_fake{next(self._ids):06d}"
         watcher = asyncio.create_task(watch())
         try:
+            if scope["path"] == COUNT_TOKENS_PATH and scope["method"] == "POST":
+                await self._count_tokens(send, gone, headers, body, request_id)
+                return
             try:
                 script = self._check(scope, headers, body)
             except _ScriptedError as failure:
@@ -261,6 +269,47 @@ class AnthropicFake:
             message = _ERROR_MESSAGES.get(ERROR_TYPES.get(status, ""), f"scripted status {status}")
             raise _ScriptedError(status, message, extra)
         return script
+
+    async def _count_tokens(
+        self,
+        send: Send,
+        gone: asyncio.Event,
+        headers: dict[str, str],
+        body: Any,
+        request_id: str,
+    ) -> None:
+        """`POST /v1/messages/count_tokens`: the words of `system` and the messages."""
+        try:
+            if "anthropic-version" not in headers:
+                raise _ScriptedError(400, "anthropic-version: header is required")
+            if self.api_key is not None and headers.get("x-api-key") != self.api_key:
+                raise _ScriptedError(401, "invalid x-api-key")
+            if not isinstance(body, dict):
+                raise _ScriptedError(400, "The request body is not valid JSON.")
+            for field, kind in (("model", str), ("messages", list)):
+                if not isinstance(body.get(field), kind):
+                    raise _ScriptedError(400, f"{field}: Field required")
+            for extra in ("max_tokens", "stream"):
+                if extra in body:
+                    raise _ScriptedError(400, f"{extra}: Extra inputs are not permitted")
+            try:
+                script = parse_script(body["model"])
+            except ValueError as exc:
+                raise _ScriptedError(400, str(exc)) from None
+            if script.status is not None:
+                message = ERROR_TYPES.get(script.status, f"scripted status {script.status}")
+                raise _ScriptedError(script.status, message)
+        except _ScriptedError as failure:
+            await self._send_error(send, failure, request_id)
+            return
+        await _pause(script.slow_ms, gone)
+        if gone.is_set():
+            return
+        data = orjson.dumps({"input_tokens": count_words(body)})
+        answer = [_JSON, (b"content-length", str(len(data)).encode())]
+        answer.append((b"request-id", request_id.encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": answer})
+        await send({"type": "http.response.body", "body": data})
 
     async def _send_error(self, send: Send, failure: _ScriptedError, request_id: str) -> None:
         kind = ERROR_TYPES.get(failure.status, "api_error")

@@ -1,9 +1,15 @@
-"""Request translation between the OpenAI chat wire and the Anthropic Messages wire, as dicts.
+"""Request translation between the OpenAI chat wire and the Anthropic Messages wire, as dicts:
+OpenAI chat → Anthropic Messages here, the other way in `requests_to_openai` (re-exported).
 
 The caller sets the upstream model afterwards. What one wire cannot express raises
 `TranslationError` naming the field; hints that only steer sampling on one side (penalties, seeds,
 `reasoning_effort`, `thinking`, `top_k` towards OpenAI) are dropped rather than refused, so a
 fallback across wires keeps working.
+
+Anthropic prompt-cache markers (`cache_control`) that an OpenAI client put on content parts,
+messages or tools are carried onto the blocks and tools they become; towards OpenAI, where no
+server takes them, they are dropped, as are OpenAI's `prompt_cache_key` and
+`prompt_cache_retention` towards Anthropic.
 """
 
 from __future__ import annotations
@@ -11,49 +17,26 @@ from __future__ import annotations
 import base64
 from typing import Any, Final
 
-import orjson
-
 from gateway.errors import quote
+from gateway.providers.translate.requests_to_openai import messages_request_to_openai
 from gateway.providers.translate.responses import _arguments, _tool_id
+from gateway.providers.translate.shapes import (
+    TranslationError,
+    _dict,
+    _list,
+    _parse_data_url,
+    _str,
+)
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "TranslationError",
+    "chat_request_to_anthropic",
+    "messages_request_to_openai",
+]
 
 DEFAULT_MAX_TOKENS: Final = 4096
 """Anthropic requires `max_tokens`; used when an OpenAI request does not set one."""
-
-
-class TranslationError(ValueError):
-    """A request or response that the other wire format cannot express; `param` names the field."""
-
-    def __init__(self, message: str, *, param: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-def _dict(value: object, param: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise TranslationError(f"'{param}' must be an object", param=param)
-    return value
-
-
-def _list(value: object, param: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise TranslationError(f"'{param}' must be an array", param=param)
-    return value
-
-
-def _str(value: object, param: str) -> str:
-    if not isinstance(value, str):
-        raise TranslationError(f"'{param}' must be a string", param=param)
-    return value
-
-
-def _parse_data_url(url: str, param: str) -> tuple[str, str]:
-    """`data:<media type>;base64,<data>` → (media type, base64 data)."""
-    header, comma, data = url[5:].partition(",")
-    media_type, _, encoding = header.partition(";")
-    if not comma or encoding != "base64" or not media_type:
-        raise TranslationError(f"'{param}' must be a base64 data URL", param=param)
-    return media_type, data
 
 
 # --- requests: OpenAI chat → Anthropic Messages ---------------------------------------------------
@@ -123,25 +106,47 @@ def chat_request_to_anthropic(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _openai_text(content: object, param: str) -> str:
-    """A system/developer message's content (a string or text parts) → one string."""
-    if content is None:
-        return ""
+def _marked(source: dict[str, Any], block: dict[str, Any]) -> dict[str, Any]:
+    """`block`, given the `cache_control` marker `source` carries (some OpenAI clients send
+    Anthropic's prompt-cache markers on chat content parts, messages and tools); a block's own
+    marker wins over its message's, and one that is not an object is dropped."""
+    marker = source.get("cache_control")
+    if isinstance(marker, dict):
+        block.setdefault("cache_control", marker)
+    return block
+
+
+def _system_blocks(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A system/developer message's content (a string or text parts) → non-empty text blocks
+    (Anthropic refuses empty ones), with their cache markers."""
+    content = message.get("content")
+    blocks = []
     if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(_list(content, param)):
-        part = _dict(part, f"{param}[{j}]")
-        if part.get("type") != "text":
-            raise TranslationError(
-                f"'{param}[{j}]' must be a text part", param=f"{param}[{j}].type"
-            )
-        texts.append(_str(part.get("text"), f"{param}[{j}].text"))
-    return "\n\n".join(texts)
+        blocks.append({"type": "text", "text": content})
+    elif content is not None:
+        for j, part in enumerate(_list(content, f"{where}.content")):
+            param = f"{where}.content[{j}]"
+            part = _dict(part, param)
+            if part.get("type") != "text":
+                raise TranslationError(f"'{param}' must be a text part", param=f"{param}.type")
+            blocks.append(_marked(part, {"type": "text", "text": _str(part.get("text"), param)}))
+    blocks = [block for block in blocks if block["text"]]
+    if blocks:
+        _marked(message, blocks[-1])
+    return blocks
 
 
-def _messages_to_anthropic(messages: list[Any]) -> tuple[str, list[dict[str, Any]]]:
-    system: list[str] = []
+def _system(blocks: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """The system prompt: one string, or its blocks when one carries a cache marker."""
+    if any("cache_control" in block for block in blocks):
+        return blocks
+    return "\n\n".join(block["text"] for block in blocks)
+
+
+def _messages_to_anthropic(
+    messages: list[Any],
+) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]]]:
+    system: list[dict[str, Any]] = []
     out: list[dict[str, Any]] = []
     tool_turn: list[dict[str, Any]] | None = None  # the user turn that collects tool results
     for i, message in enumerate(messages):
@@ -154,6 +159,7 @@ def _messages_to_anthropic(messages: list[Any]) -> tuple[str, list[dict[str, Any
             content = message.get("content")
             if content is not None:
                 result["content"] = _tool_result_to_anthropic(content, f"{where}.content")
+            _marked(message, result)
             if tool_turn is None:
                 tool_turn = []
                 out.append({"role": "user", "content": tool_turn})
@@ -161,9 +167,7 @@ def _messages_to_anthropic(messages: list[Any]) -> tuple[str, list[dict[str, Any
             continue
         tool_turn = None
         if role in ("system", "developer"):
-            text = _openai_text(message.get("content"), f"{where}.content")
-            if text:
-                system.append(text)
+            system.extend(_system_blocks(message, where))
         elif role == "user":
             out.append({"role": "user", "content": _user_to_anthropic(message, where)})
         elif role == "assistant":
@@ -175,12 +179,14 @@ def _messages_to_anthropic(messages: list[Any]) -> tuple[str, list[dict[str, Any
                 f"'{where}.role' {quote(role)} cannot be sent to an Anthropic model",
                 param=f"{where}.role",
             )
-    return "\n\n".join(system), out
+    return _system(system), out
 
 
 def _user_to_anthropic(message: dict[str, Any], where: str) -> str | list[dict[str, Any]]:
     content = message.get("content")
     if isinstance(content, str):
+        if content and isinstance(message.get("cache_control"), dict):
+            return [_marked(message, {"type": "text", "text": content})]  # a marker needs a block
         return content
     blocks: list[dict[str, Any]] = []
     for j, part in enumerate(_list(content, f"{where}.content")):
@@ -188,16 +194,19 @@ def _user_to_anthropic(message: dict[str, Any], where: str) -> str | list[dict[s
         part = _dict(part, param)
         kind = part.get("type")
         if kind == "text":
-            blocks.append({"type": "text", "text": _str(part.get("text"), f"{param}.text")})
+            block = {"type": "text", "text": _str(part.get("text"), f"{param}.text")}
         elif kind == "image_url":
-            blocks.append(_image_to_anthropic(part.get("image_url"), f"{param}.image_url"))
+            block = _image_to_anthropic(part.get("image_url"), f"{param}.image_url")
         elif kind == "file":
-            blocks.append(_file_to_anthropic(_dict(part.get("file"), f"{param}.file"), param))
+            block = _file_to_anthropic(_dict(part.get("file"), f"{param}.file"), param)
         else:
             raise TranslationError(
                 f"'{param}' of type {quote(kind)} cannot be sent to an Anthropic model",
                 param=f"{param}.type",
             )
+        blocks.append(_marked(part, block))
+    if blocks:
+        _marked(message, blocks[-1])
     return blocks
 
 
@@ -254,7 +263,8 @@ def _tool_result_to_anthropic(content: object, param: str) -> str | list[dict[st
             raise TranslationError(
                 f"'{param}[{j}]' must be a text part", param=f"{param}[{j}].type"
             )
-        blocks.append({"type": "text", "text": _str(part.get("text"), f"{param}[{j}].text")})
+        text = _str(part.get("text"), f"{param}[{j}].text")
+        blocks.append(_marked(part, {"type": "text", "text": text}))
     return blocks
 
 
@@ -273,7 +283,7 @@ def _assistant_to_anthropic(message: dict[str, Any], where: str) -> list[dict[st
             if kind not in ("text", "refusal"):
                 raise TranslationError(f"'{param}' must be a text part", param=f"{param}.type")
             if _str(text, f"{param}.{kind}"):
-                blocks.append({"type": "text", "text": text})
+                blocks.append(_marked(part, {"type": "text", "text": text}))
     tool_calls = message.get("tool_calls")
     for j, call in enumerate(_list(tool_calls, f"{where}.tool_calls") if tool_calls else ()):
         param = f"{where}.tool_calls[{j}]"
@@ -293,6 +303,8 @@ def _assistant_to_anthropic(message: dict[str, Any], where: str) -> list[dict[st
                 "input": tool_input,
             }
         )
+    if blocks:
+        _marked(message, blocks[-1])
     return blocks
 
 
@@ -311,7 +323,7 @@ def _tool_to_anthropic(tool: object, i: int) -> dict[str, Any]:
     out["input_schema"] = function.get("parameters") or {"type": "object", "properties": {}}
     if function.get("strict") is True:
         out["strict"] = True
-    return out
+    return _marked(tool, out)
 
 
 def _tool_choice_to_anthropic(choice: object) -> dict[str, Any] | None:
@@ -346,253 +358,4 @@ def _response_format_to_anthropic(response_format: object) -> dict[str, Any] | N
         f"'response_format' of type {quote(kind)} cannot be sent to an Anthropic model"
         " (use json_schema)",
         param="response_format",
-    )
-
-
-# --- requests: Anthropic Messages → OpenAI chat ---------------------------------------------------
-
-_ANTHROPIC_UNTRANSLATABLE: Final = ("mcp_servers", "container")
-
-
-def messages_request_to_openai(body: dict[str, Any]) -> dict[str, Any]:
-    """An Anthropic Messages request body → an OpenAI chat completions request body.
-
-    `max_tokens` becomes `max_completion_tokens` (what OpenAI's reasoning models require and vLLM
-    accepts). Raises TranslationError for what chat completions cannot express (server tools,
-    MCP servers, images inside tool results, ...).
-    """
-    for key in _ANTHROPIC_UNTRANSLATABLE:
-        if body.get(key):
-            raise TranslationError(f"'{key}' cannot be sent to an OpenAI model", param=key)
-    out: dict[str, Any] = {}
-    if "model" in body:
-        out["model"] = body["model"]
-    messages: list[dict[str, Any]] = []
-    system = body.get("system")
-    if system:
-        text = system if isinstance(system, str) else _anthropic_text(system, "system")
-        messages.append({"role": "system", "content": text})
-    for i, message in enumerate(_list(body.get("messages"), "messages")):
-        where = f"messages[{i}]"
-        message = _dict(message, where)
-        role = message.get("role")
-        if role == "user":
-            messages.extend(_anthropic_user_to_openai(message.get("content"), where))
-        elif role == "assistant":
-            converted = _anthropic_assistant_to_openai(message.get("content"), where)
-            if converted is not None:
-                messages.append(converted)
-        else:
-            raise TranslationError(
-                f"'{where}.role' must be user or assistant", param=f"{where}.role"
-            )
-    out["messages"] = messages
-    if body.get("max_tokens") is not None:
-        out["max_completion_tokens"] = body["max_tokens"]
-    for key in ("temperature", "top_p"):
-        if body.get(key) is not None:
-            out[key] = body[key]
-    stop = body.get("stop_sequences")
-    if stop:
-        out["stop"] = list(_list(stop, "stop_sequences"))
-    if body.get("stream"):
-        out["stream"] = True
-        out["stream_options"] = {"include_usage": True}  # Anthropic clients always get usage
-    elif body.get("stream") is not None:
-        out["stream"] = False
-    metadata = body.get("metadata")
-    if isinstance(metadata, dict) and metadata.get("user_id") is not None:
-        out["user"] = metadata["user_id"]
-    tools = body.get("tools")
-    if tools:
-        out["tools"] = [_tool_to_openai(tool, i) for i, tool in enumerate(_list(tools, "tools"))]
-    tool_choice = body.get("tool_choice")
-    if tool_choice is not None:
-        tool_choice = _dict(tool_choice, "tool_choice")
-        out["tool_choice"] = _tool_choice_to_openai(tool_choice)
-        if tools and tool_choice.get("disable_parallel_tool_use"):
-            out["parallel_tool_calls"] = False
-    output_config = body.get("output_config")
-    if isinstance(output_config, dict) and output_config.get("format") is not None:
-        output_format = _dict(output_config["format"], "output_config.format")
-        if output_format.get("type") != "json_schema":
-            raise TranslationError(
-                "'output_config.format' must be json_schema", param="output_config.format.type"
-            )
-        schema = _dict(output_format.get("schema"), "output_config.format.schema")
-        out["response_format"] = {
-            "type": "json_schema",
-            "json_schema": {"name": "output", "schema": schema, "strict": True},
-        }
-    return out
-
-
-def _anthropic_text(blocks: object, param: str) -> str:
-    texts = []
-    for j, block in enumerate(_list(blocks, param)):
-        block = _dict(block, f"{param}[{j}]")
-        if block.get("type") != "text":
-            raise TranslationError(f"'{param}[{j}]' must be a text block", param=f"{param}[{j}]")
-        texts.append(_str(block.get("text"), f"{param}[{j}].text"))
-    return "\n\n".join(texts)
-
-
-def _anthropic_user_to_openai(content: object, where: str) -> list[dict[str, Any]]:
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    tool_messages: list[dict[str, Any]] = []
-    parts: list[dict[str, Any]] = []
-    for j, block in enumerate(_list(content, f"{where}.content")):
-        param = f"{where}.content[{j}]"
-        block = _dict(block, param)
-        kind = block.get("type")
-        if kind == "tool_result":
-            # Tool results come first in an Anthropic user turn; OpenAI wants one message each.
-            tool_messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": _str(block.get("tool_use_id"), f"{param}.tool_use_id"),
-                    "content": _tool_result_to_openai(block.get("content"), f"{param}.content"),
-                }
-            )
-        elif kind == "text":
-            parts.append({"type": "text", "text": _str(block.get("text"), f"{param}.text")})
-        elif kind == "image":
-            parts.append(_image_to_openai(_dict(block.get("source"), f"{param}.source"), param))
-        elif kind == "document":
-            parts.append(_document_to_openai(block, param))
-        else:
-            raise TranslationError(
-                f"'{param}' of type {quote(kind)} cannot be sent to an OpenAI model",
-                param=f"{param}.type",
-            )
-    if not parts:
-        return tool_messages
-    if len(parts) == 1 and parts[0]["type"] == "text":
-        return [*tool_messages, {"role": "user", "content": parts[0]["text"]}]
-    return [*tool_messages, {"role": "user", "content": parts}]
-
-
-def _tool_result_to_openai(content: object, param: str) -> str | list[dict[str, Any]]:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, block in enumerate(_list(content, param)):
-        block = _dict(block, f"{param}[{j}]")
-        if block.get("type") != "text":
-            raise TranslationError(
-                f"'{param}[{j}]': OpenAI tool results carry text only", param=f"{param}[{j}].type"
-            )
-        parts.append({"type": "text", "text": _str(block.get("text"), f"{param}[{j}].text")})
-    if len(parts) == 1:
-        return str(parts[0]["text"])
-    return parts
-
-
-def _image_to_openai(source: dict[str, Any], param: str) -> dict[str, Any]:
-    kind = source.get("type")
-    if kind == "base64":
-        media_type = _str(source.get("media_type"), f"{param}.source.media_type")
-        data = _str(source.get("data"), f"{param}.source.data")
-        url = f"data:{media_type};base64,{data}"
-    elif kind == "url":
-        url = _str(source.get("url"), f"{param}.source.url")
-    else:
-        raise TranslationError(
-            f"'{param}.source' of type {quote(kind)} cannot be sent to an OpenAI model",
-            param=f"{param}.source.type",
-        )
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def _document_to_openai(block: dict[str, Any], param: str) -> dict[str, Any]:
-    source = _dict(block.get("source"), f"{param}.source")
-    kind = source.get("type")
-    if kind == "text":
-        return {"type": "text", "text": _str(source.get("data"), f"{param}.source.data")}
-    if kind == "base64" and source.get("media_type") == "application/pdf":
-        data = _str(source.get("data"), f"{param}.source.data")
-        title = block.get("title")
-        return {
-            "type": "file",
-            "file": {
-                "filename": title if isinstance(title, str) and title else "document.pdf",
-                "file_data": f"data:application/pdf;base64,{data}",
-            },
-        }
-    raise TranslationError(
-        f"'{param}.source' of type {quote(kind)} cannot be sent to an OpenAI model",
-        param=f"{param}.source.type",
-    )
-
-
-def _anthropic_assistant_to_openai(content: object, where: str) -> dict[str, Any] | None:
-    if isinstance(content, str):
-        return {"role": "assistant", "content": content}
-    texts: list[str] = []
-    tool_calls: list[dict[str, Any]] = []
-    for j, block in enumerate(_list(content, f"{where}.content")):
-        param = f"{where}.content[{j}]"
-        block = _dict(block, param)
-        kind = block.get("type")
-        if kind == "text":
-            texts.append(_str(block.get("text"), f"{param}.text"))
-        elif kind == "tool_use":
-            tool_calls.append(
-                {
-                    "id": _str(block.get("id"), f"{param}.id"),
-                    "type": "function",
-                    "function": {
-                        "name": _str(block.get("name"), f"{param}.name"),
-                        "arguments": orjson.dumps(block.get("input") or {}).decode(),
-                    },
-                }
-            )
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # chat completions has no way to send reasoning back
-        else:
-            raise TranslationError(
-                f"'{param}' of type {quote(kind)} cannot be sent to an OpenAI model",
-                param=f"{param}.type",
-            )
-    if not texts and not tool_calls:
-        return None
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return message
-
-
-def _tool_to_openai(tool: object, i: int) -> dict[str, Any]:
-    tool = _dict(tool, f"tools[{i}]")
-    kind = tool.get("type")
-    if kind not in (None, "custom"):
-        raise TranslationError(
-            f"'tools[{i}]': the server tool {quote(kind)} cannot be sent to an OpenAI model",
-            param=f"tools[{i}].type",
-        )
-    function: dict[str, Any] = {"name": _str(tool.get("name"), f"tools[{i}].name")}
-    if tool.get("description"):
-        function["description"] = tool["description"]
-    function["parameters"] = _dict(tool.get("input_schema"), f"tools[{i}].input_schema")
-    if tool.get("strict") is True:
-        function["strict"] = True
-    return {"type": "function", "function": function}
-
-
-def _tool_choice_to_openai(choice: dict[str, Any]) -> str | dict[str, Any]:
-    kind = choice.get("type")
-    if kind == "auto":
-        return "auto"
-    if kind == "any":
-        return "required"
-    if kind == "none":
-        return "none"
-    if kind == "tool":
-        name = _str(choice.get("name"), "tool_choice.name")
-        return {"type": "function", "function": {"name": name}}
-    raise TranslationError(
-        f"'tool_choice.type' {quote(kind)} is not known", param="tool_choice.type"
     )

@@ -16,6 +16,7 @@ from typing import Any, Final
 import orjson
 
 from gateway.numbers import count
+from gateway.providers.decode import openai_cache_tokens
 
 _FINISH_REASONS: Final[dict[str, str]] = {
     "end_turn": "stop",
@@ -79,37 +80,41 @@ def _arguments(arguments: object) -> dict[str, Any] | None:
 
 
 def _openai_usage(usage: object) -> dict[str, Any]:
-    """Anthropic usage → OpenAI usage: cache reads and writes are part of `prompt_tokens`.
-    A count that is not one (negative, a string, ...) counts as 0."""
+    """Anthropic usage → OpenAI usage: cache reads and writes are part of `prompt_tokens`; reads
+    are `prompt_tokens_details.cached_tokens`, writes `prompt_tokens_details.cache_write_tokens`
+    (present when there were any). A count that is not one (negative, a string, ...) counts
+    as 0."""
     usage = usage if isinstance(usage, dict) else {}
     cached = count(usage.get("cache_read_input_tokens")) or 0
-    prompt = (
-        (count(usage.get("input_tokens")) or 0)
-        + cached
-        + (count(usage.get("cache_creation_input_tokens")) or 0)
-    )
+    written = count(usage.get("cache_creation_input_tokens")) or 0
+    prompt = (count(usage.get("input_tokens")) or 0) + cached + written
     completion = count(usage.get("output_tokens")) or 0
+    details: dict[str, int] = {"cached_tokens": cached}
+    if written:
+        details["cache_write_tokens"] = written
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
 
 
 def _anthropic_usage(usage: object) -> dict[str, Any]:
-    """OpenAI usage → Anthropic usage: `input_tokens` excludes the cached part. A count that is
-    not one (negative, a string, ...) counts as 0."""
+    """OpenAI usage → Anthropic usage: `input_tokens` excludes the part read from the cache
+    (`cache_read_input_tokens`) and the part written to it (`cache_creation_input_tokens`), each
+    present when not 0. A count that is not one (negative, a string, ...) counts as 0."""
     usage = usage if isinstance(usage, dict) else {}
     prompt = count(usage.get("prompt_tokens")) or 0
-    details = usage.get("prompt_tokens_details")
-    cached = (count(details.get("cached_tokens")) or 0) if isinstance(details, dict) else 0
+    cached, written = (n or 0 for n in openai_cache_tokens(usage))
     out: dict[str, Any] = {
-        "input_tokens": max(prompt - cached, 0),
+        "input_tokens": max(prompt - cached - written, 0),
         "output_tokens": count(usage.get("completion_tokens")) or 0,
     }
     if cached:
         out["cache_read_input_tokens"] = cached
+    if written:
+        out["cache_creation_input_tokens"] = written
     return out
 
 

@@ -15,10 +15,11 @@ import orjson
 
 from gateway.models import Chunk, InBandError
 from gateway.numbers import count
-from gateway.providers.decode import ANTHROPIC_ERROR_STATUS
+from gateway.providers.decode import ANTHROPIC_ERROR_STATUS, openai_cache_tokens
 from gateway.providers.translate.responses import (
     _anthropic_id,
     _openai_id,
+    _openai_usage,
     _tool_id,
     anthropic_stop_reason,
     openai_finish_reason,
@@ -222,13 +223,14 @@ class AnthropicToOpenAIStream:
         if kind == "message_stop":
             if not self._include_usage:
                 return _DONE_FRAME
-            prompt = self._input_tokens + self._cached_tokens + self._cache_write_tokens
-            usage = {
-                "prompt_tokens": prompt,
-                "completion_tokens": self._output_tokens,
-                "total_tokens": prompt + self._output_tokens,
-                "prompt_tokens_details": {"cached_tokens": self._cached_tokens},
-            }
+            usage = _openai_usage(
+                {
+                    "input_tokens": self._input_tokens,
+                    "cache_read_input_tokens": self._cached_tokens,
+                    "cache_creation_input_tokens": self._cache_write_tokens,
+                    "output_tokens": self._output_tokens,
+                }
+            )
             if not self._head:
                 self._start(None)
             body = {
@@ -266,6 +268,7 @@ class OpenAIToAnthropicStream:
     """
 
     __slots__ = (
+        "_cache_write_tokens",
         "_cached_tokens",
         "_delta_head",
         "_finish_reason",
@@ -294,6 +297,7 @@ class OpenAIToAnthropicStream:
         self._finish_reason: str | None = None
         self._input_tokens: int | None = None
         self._cached_tokens = 0
+        self._cache_write_tokens = 0
         self._output_tokens = 0
 
     def feed(self, chunk: Chunk) -> bytes:
@@ -335,12 +339,13 @@ class OpenAIToAnthropicStream:
         return out
 
     def _count(self, usage: dict[str, Any]) -> None:
-        details = usage.get("prompt_tokens_details")
-        cached = (count(details.get("cached_tokens")) or 0) if isinstance(details, dict) else 0
+        # Anthropic's `input_tokens` leaves out what was read from the cache and written to it.
+        cached, written = (n or 0 for n in openai_cache_tokens(usage))
         prompt = count(usage.get("prompt_tokens"))
         if prompt is not None:
-            self._input_tokens = max(prompt - cached, 0)
+            self._input_tokens = max(prompt - cached - written, 0)
             self._cached_tokens = cached
+            self._cache_write_tokens = written
         self._output_tokens = count(usage.get("completion_tokens")) or self._output_tokens
 
     def _message_start(self, data: dict[str, Any]) -> bytes:
@@ -420,6 +425,8 @@ class OpenAIToAnthropicStream:
             usage["input_tokens"] = self._input_tokens
             if self._cached_tokens:
                 usage["cache_read_input_tokens"] = self._cached_tokens
+            if self._cache_write_tokens:
+                usage["cache_creation_input_tokens"] = self._cache_write_tokens
         delta = {
             "type": "message_delta",
             "delta": {

@@ -1,0 +1,121 @@
+"""The Responses API's conversation state, served from the gateway's own store: a request's
+`previous_response_id` expanded into its input before routing (so the conversation may go to any
+upstream), and `GET`/`DELETE /v1/responses/{id}` and its input items.
+
+A response is visible only to the key that created it; another key's id reads as not found.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.models import Call
+from gateway.providers.translate.items import input_items, new_id, output_items_as_input
+from gateway.responses_store import ResponseStore, StoredResponse
+
+_JSON = "application/json"
+
+
+def owner_of(principal: Any) -> str:
+    """Whose responses a caller sees: its key's name ("" when keys are off)."""
+    return principal.name if principal is not None else ""
+
+
+async def continue_conversation(store: ResponseStore, call: Call, owner: str) -> Call:
+    """The call with its `previous_response_id` expanded: the stored conversation, the previous
+    response's output, then this request's input, as one `input`."""
+    previous = call.body.get("previous_response_id")
+    if not previous:
+        return call
+    stored = await store.get(previous, owner)
+    if stored is None:
+        raise InvalidRequestError(
+            f"Previous response with id '{previous[:64]}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    history: list[Any] = orjson.loads(stored.items)
+    history += output_items_as_input(orjson.loads(stored.response))
+    history += input_items(call.body)
+    body = {**call.body, "input": history}
+    return replace(call, body=body, raw=orjson.dumps(body))
+
+
+def keep(store: ResponseStore, call: Call, response: dict[str, Any], owner: str) -> None:
+    """Store a finished response (unless the request said `store: false`)."""
+    if call.body.get("store") is False:
+        return
+    store.put(
+        StoredResponse(
+            id=response["id"],
+            owner=owner,
+            response=orjson.dumps(response),
+            items=orjson.dumps(input_items(call.body)),
+            created_at=int(time.time()),  # its TTL runs from now, whatever the upstream's clock
+        )
+    )
+
+
+def _missing(response_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"No response with id '{response_id[:64]}' was found.", code="response_not_found"
+    )
+
+
+async def get_response(store: ResponseStore, response_id: str, owner: str) -> Response:
+    stored = await store.get(response_id, owner)
+    if stored is None:
+        raise _missing(response_id)
+    return Response(stored.response, media_type=_JSON)
+
+
+async def delete_response(store: ResponseStore, response_id: str, owner: str) -> Response:
+    if not await store.delete(response_id, owner):
+        raise _missing(response_id)
+    body = {"id": response_id, "object": "response.deleted", "deleted": True}
+    return Response(orjson.dumps(body), media_type=_JSON)
+
+
+async def list_input_items(
+    store: ResponseStore, response_id: str, owner: str, *, limit: int, order: str
+) -> Response:
+    """The input items a stored response was made from (the whole conversation before it)."""
+    stored = await store.get(response_id, owner)
+    if stored is None:
+        raise _missing(response_id)
+    items = [_as_item(item) for item in orjson.loads(stored.items)]
+    if order == "desc":
+        items.reverse()
+    page = items[:limit]
+    body = {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }
+    return Response(orjson.dumps(body), media_type=_JSON)
+
+
+def _as_item(item: Any) -> dict[str, Any]:
+    """An input item as the API lists it: with an id, a message's content as parts."""
+    if not isinstance(item, dict):
+        return {"id": new_id("item_"), "type": "unknown"}
+    out = dict(item)
+    kind = out.setdefault("type", "message")
+    if kind == "message":
+        out.setdefault("id", new_id("msg_"))
+        out.setdefault("status", "completed")
+        content = out.get("content")
+        if isinstance(content, str):
+            part = "output_text" if out.get("role") == "assistant" else "input_text"
+            out["content"] = [{"type": part, "text": content}]
+    else:
+        out.setdefault("id", new_id("fc_" if kind == "function_call" else "item_"))
+    return out

@@ -1,0 +1,111 @@
+"""Classify a native Responses API answer (an upstream that serves `/v1/responses` itself).
+
+Its stream ends with `response.completed` or `response.incomplete` (there is no `[DONE]`);
+content is any text, function-call argument, refusal or reasoning delta, so the commit point is
+the first of those; `response.failed` and `error` are in-band errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import orjson
+
+from gateway.models import Chunk, InBandError, SSEEvent, Usage
+from gateway.numbers import count
+from gateway.providers.decode import UpstreamProtocolError
+
+_CONTENT: Final = frozenset(
+    {
+        "response.output_text.delta",
+        "response.refusal.delta",
+        "response.function_call_arguments.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.custom_tool_call_input.delta",
+    }
+)
+_CONTENT_ITEMS: Final = frozenset({"function_call", "web_search_call", "file_search_call"})
+_DONE: Final = frozenset({"response.completed", "response.incomplete"})
+
+
+def _parse_object(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise UpstreamProtocolError(f"{what} is not JSON") from None
+    if not isinstance(parsed, dict):
+        raise UpstreamProtocolError(f"{what} is not a JSON object")
+    return parsed
+
+
+def responses_usage(usage: object) -> Usage | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("input_tokens_details")
+    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(count(usage.get("input_tokens")), count(usage.get("output_tokens")), cached)
+
+
+def _error(fields: object, default: str) -> InBandError:
+    fields = fields if isinstance(fields, dict) else {}
+    message = fields.get("message")
+    code = fields.get("code")
+    return InBandError(
+        message=message if isinstance(message, str) and message else default,
+        type="server_error",
+        code=code if isinstance(code, str) else None,
+    )
+
+
+class ResponsesStreamDecoder:
+    __slots__ = ()
+
+    def decode(self, event: SSEEvent) -> Chunk:
+        if not event.data:
+            return Chunk(raw=event.raw)  # a keep-alive comment
+        data = _parse_object(event.data, "stream event")
+        kind = data.get("type") or event.event
+        if kind in _CONTENT:
+            return Chunk(raw=event.raw, data=data, content=bool(data.get("delta")), tokens=1)
+        if kind == "response.output_item.added":
+            item = data.get("item")
+            # A built-in tool call may have no argument deltas: its item is the content.
+            content = isinstance(item, dict) and item.get("type") in _CONTENT_ITEMS
+            return Chunk(raw=event.raw, data=data, content=content)
+        if kind in _DONE:
+            response = data.get("response")
+            usage = responses_usage(response.get("usage")) if isinstance(response, dict) else None
+            reason = "stop" if kind == "response.completed" else "length"
+            return Chunk(raw=event.raw, data=data, usage=usage, finish_reason=reason, done=True)
+        if kind == "response.failed":
+            response = data.get("response")
+            error = response.get("error") if isinstance(response, dict) else None
+            return Chunk(raw=event.raw, data=data, error=_error(error, "the response failed"))
+        if kind == "error":
+            return Chunk(raw=event.raw, data=data, error=_error(data, "upstream error"))
+        return Chunk(raw=event.raw, data=data)
+
+
+def decode_responses_body(body: bytes) -> Chunk:
+    """A non-streaming Response object (or an error body)."""
+    obj: dict[str, Any] = _parse_object(body, "response body")
+    error = obj.get("error")
+    if isinstance(error, dict) and obj.get("object") != "response":
+        return Chunk(raw=body, data=obj, error=_error(error, "upstream error"))
+    if obj.get("object") != "response":
+        raise UpstreamProtocolError("the response body is not a Response object")
+    if obj.get("status") == "failed":
+        return Chunk(raw=body, data=obj, error=_error(error, "the response failed"))
+    output = obj.get("output")
+    usage = responses_usage(obj.get("usage"))
+    known = usage.output_tokens if usage is not None else None
+    content = isinstance(output, list) and len(output) > 0
+    return Chunk(
+        raw=body,
+        data=obj,
+        content=content,
+        tokens=known if known is not None else int(content),
+        finish_reason="stop" if obj.get("status") == "completed" else "length",
+        usage=usage,
+    )

@@ -1,0 +1,531 @@
+"""The Responses API over Chat Completions: a Responses request → a chat request, and a chat
+answer → the Response object. Pure: no I/O.
+
+A Responses conversation arrives here already whole: `previous_response_id` was expanded by the
+edge from the gateway's own store into `input` items, so any upstream can continue it. What chat
+cannot express (built-in tools, background mode, stored prompts, item references) raises
+`TranslationError` naming it; hints that only steer generation where they are understood
+(`reasoning.summary`, `text.verbosity`, `truncation`, `service_tier`) are dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, Final
+
+from gateway.numbers import count
+from gateway.providers.translate.requests import TranslationError
+
+# Keys a Responses request may carry when translated, beyond the ones read below.
+_DROPPED: Final = frozenset(
+    {
+        "store",  # the gateway stores; upstreams are asked to store nothing
+        "previous_response_id",  # expanded into `input` before routing
+        "include",
+        "metadata",
+        "service_tier",
+        "truncation",
+        "stream_options",
+        "background",
+        "prompt_cache_retention",
+        "max_tool_calls",
+    }
+)
+_READ: Final = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "top_logprobs",
+        "text",
+        "reasoning",
+        "stream",
+        "user",
+        "safety_identifier",
+        "prompt_cache_key",
+    }
+)
+_ROLES: Final = {
+    "user": "user",
+    "assistant": "assistant",
+    "system": "system",
+    "developer": "system",
+}
+_FINISHED: Final = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+# --- request -------------------------------------------------------------------------------------
+
+
+def responses_request_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Responses request (conversation already expanded) → a chat completions request."""
+    for key in body:
+        if key not in _READ and key not in _DROPPED:
+            raise TranslationError(f"'{key}' is not supported by this upstream", param=key)
+    if body.get("background"):
+        raise TranslationError("background responses are not supported", param="background")
+    if body.get("max_tool_calls") is not None:
+        raise TranslationError(
+            "'max_tool_calls' is not supported by this upstream", param="max_tool_calls"
+        )
+    out: dict[str, Any] = {"model": body.get("model")}
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    elif isinstance(instructions, list):
+        messages.extend(chat_messages(instructions, param="instructions"))
+    messages.extend(chat_messages(body.get("input"), param="input"))
+    if not messages:
+        raise TranslationError("'input' must not be empty", param="input")
+    out["messages"] = messages
+    if body.get("tools"):
+        out["tools"] = [_tool(tool, index) for index, tool in enumerate(body["tools"])]
+    if (choice := body.get("tool_choice")) is not None:
+        out["tool_choice"] = _tool_choice(choice)
+    for key in ("parallel_tool_calls", "temperature", "top_p", "prompt_cache_key"):
+        if body.get(key) is not None:
+            out[key] = body[key]
+    if body.get("max_output_tokens") is not None:
+        out["max_completion_tokens"] = body["max_output_tokens"]
+    if body.get("top_logprobs") is not None:
+        out["logprobs"] = True
+        out["top_logprobs"] = body["top_logprobs"]
+    elif isinstance(include := body.get("include"), list) and (
+        "message.output_text.logprobs" in include
+    ):
+        out["logprobs"] = True
+    user = body.get("safety_identifier") or body.get("user")
+    if isinstance(user, str):
+        out["user"] = user
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort"):
+        out["reasoning_effort"] = reasoning["effort"]
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if isinstance(fmt, dict) and (response_format := _response_format(fmt)) is not None:
+        out["response_format"] = response_format
+    if body.get("stream"):
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+def chat_messages(items: object, *, param: str) -> list[dict[str, Any]]:
+    """Responses input (a string or items) → chat messages. Consecutive function calls (and
+    the assistant text before them) become one assistant message with `tool_calls`."""
+    if items is None:
+        return []
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise TranslationError(f"'{param}' must be a string or an array of items", param=param)
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        where = f"{param}[{index}]"
+        if not isinstance(item, dict):
+            raise TranslationError(f"'{where}' must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            call = {
+                "id": _required_str(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": _required_str(item, "name", where),
+                    "arguments": _optional_str(item, "arguments", where),
+                },
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _required_str(item, "call_id", where),
+                    "content": _output_text(item.get("output"), where),
+                }
+            )
+        elif kind == "reasoning":
+            continue  # chat has no way to send reasoning back; the model reasons afresh
+        else:
+            raise TranslationError(
+                f"input items of type '{kind}' are not supported by this upstream",
+                param=f"{where}.type",
+            )
+    return messages
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    given = item.get("role")
+    role = _ROLES.get(given) if isinstance(given, str) else None
+    if role is None:
+        raise TranslationError(
+            f"'{where}.role' must be one of user, assistant, system or developer",
+            param=f"{where}.role",
+        )
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise TranslationError(
+            f"'{where}.content' must be a string or an array", param=f"{where}.content"
+        )
+    parts = [_part(part, f"{where}.content[{i}]") for i, part in enumerate(content)]
+    if role != "user" and all(p["type"] == "text" for p in parts):
+        # System and assistant messages take text only on most servers: join it.
+        text = "".join(p["text"] for p in parts)
+        return {"role": role, "content": text}
+    return {"role": role, "content": parts}
+
+
+def _part(part: object, where: str) -> dict[str, Any]:
+    if not isinstance(part, dict):
+        raise TranslationError(f"'{where}' must be an object", param=where)
+    kind = part.get("type")
+    if kind in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": _optional_str(part, "text", where)}
+    if kind == "refusal":
+        return {"type": "text", "text": _optional_str(part, "refusal", where)}
+    if kind == "input_image":
+        url = part.get("image_url")
+        if url is not None and not isinstance(url, str):
+            raise TranslationError(
+                f"'{where}.image_url' must be a string", param=f"{where}.image_url"
+            )
+        if url is None:
+            raise TranslationError(
+                "images by 'file_id' are not supported by this upstream: send 'image_url'",
+                param=f"{where}.file_id",
+            )
+        image: dict[str, Any] = {"url": url}
+        if detail := _optional_str(part, "detail", where):
+            image["detail"] = detail
+        return {"type": "image_url", "image_url": image}
+    if kind == "input_file":
+        file: dict[str, Any] = {
+            key: value
+            for key in ("file_data", "file_id", "filename")
+            if (value := _optional_str(part, key, where))
+        }
+        if not file:
+            raise TranslationError(
+                "'input_file' needs 'file_data' or 'file_id' for this upstream", param=where
+            )
+        return {"type": "file", "file": file}
+    raise TranslationError(
+        f"content parts of type '{kind}' are not supported", param=f"{where}.type"
+    )
+
+
+def _output_text(output: object, where: str) -> str:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        texts = []
+        for index, part in enumerate(output):
+            at = f"{where}.output[{index}]"
+            if not isinstance(part, dict):
+                raise TranslationError(f"'{at}' must be an object", param=at)
+            texts.append(_optional_str(part, "text", at))
+        return "".join(texts)
+    raise TranslationError(
+        f"'{where}.output' must be a string or an array", param=f"{where}.output"
+    )
+
+
+def _optional_str(item: dict[str, Any], key: str, where: str) -> str:
+    """`item[key]` when a string, "" when absent or null; any other type is refused."""
+    value = item.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TranslationError(f"'{where}.{key}' must be a string", param=f"{where}.{key}")
+    return value
+
+
+def _required_str(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise TranslationError(
+            f"'{where}.{key}' must be a non-empty string", param=f"{where}.{key}"
+        )
+    return value
+
+
+def _tool(tool: object, index: int) -> dict[str, Any]:
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict):
+        raise TranslationError(f"'{where}' must be an object", param=where)
+    kind = tool.get("type")
+    if kind != "function":
+        raise TranslationError(
+            f"tools of type '{kind}' are only available from an upstream that serves the "
+            "Responses API natively; this one takes function tools only",
+            param=f"{where}.type",
+        )
+    function: dict[str, Any] = {"name": _required_str(tool, "name", where)}
+    _typed(tool, "description", str, "a string", where)
+    _typed(tool, "parameters", dict, "an object", where)
+    _typed(tool, "strict", bool, "a boolean", where)
+    for key in ("description", "parameters", "strict"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return {"type": "function", "function": function}
+
+
+def _typed(item: dict[str, Any], key: str, kind: type, expected: str, where: str) -> None:
+    """Refuse `item[key]` when present, not null and not of the JSON type `kind`."""
+    value = item.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise TranslationError(f"'{where}.{key}' must be {expected}", param=f"{where}.{key}")
+
+
+def _tool_choice(choice: object) -> object:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {
+            "type": "function",
+            "function": {"name": _required_str(choice, "name", "tool_choice")},
+        }
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        mode = choice.get("mode")
+        return "required" if mode == "required" else "auto"
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    raise TranslationError(
+        f"tool_choice '{kind}' is not supported by this upstream", param="tool_choice"
+    )
+
+
+def _response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        where = "text.format"
+        _typed(fmt, "description", str, "a string", where)
+        _typed(fmt, "schema", dict, "an object", where)
+        _typed(fmt, "strict", bool, "a boolean", where)
+        schema: dict[str, Any] = {"name": _optional_str(fmt, "name", where) or "response"}
+        for key in ("schema", "strict", "description"):
+            if fmt.get(key) is not None:
+                schema[key] = fmt[key]
+        return {"type": "json_schema", "json_schema": schema}
+    raise TranslationError(f"text.format '{kind}' is not supported", param="text.format.type")
+
+
+# --- response ------------------------------------------------------------------------------------
+
+
+def responses_usage(usage: object) -> dict[str, Any]:
+    """Chat usage → Responses usage (cached and reasoning tokens in their details)."""
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = count(usage.get("prompt_tokens")) or 0
+    completion = count(usage.get("completion_tokens")) or 0
+    prompt_details = usage.get("prompt_tokens_details")
+    completion_details = usage.get("completion_tokens_details")
+    cached = prompt_details.get("cached_tokens") if isinstance(prompt_details, dict) else None
+    reasoning = (
+        completion_details.get("reasoning_tokens") if isinstance(completion_details, dict) else None
+    )
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": count(cached) or 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": count(reasoning) or 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def response_shell(request: Mapping[str, Any], response_id: str, model: str) -> dict[str, Any]:
+    """The Response object's fields that echo the request, with no output yet."""
+    text = request.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    reasoning = request.get("reasoning")
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.get("instructions"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "previous_response_id": request.get("previous_response_id"),
+        "reasoning": {
+            "effort": reasoning.get("effort") if isinstance(reasoning, dict) else None,
+            "summary": None,
+        },
+        "store": request.get("store", True) is not False,
+        "temperature": request.get("temperature"),
+        "text": {"format": fmt if isinstance(fmt, dict) else {"type": "text"}},
+        "tool_choice": request.get("tool_choice", "auto"),
+        "tools": list(request.get("tools") or ()),
+        "top_p": request.get("top_p"),
+        "truncation": "disabled",
+        "usage": None,
+        "user": request.get("user"),
+        "metadata": request.get("metadata") or {},
+    }
+
+
+def finish(response: dict[str, Any], finish_reason: str | None, usage: object) -> None:
+    """Mark a Response done: completed, or incomplete with the reason chat gave."""
+    reason = _FINISHED.get(finish_reason or "")
+    response["status"] = "incomplete" if reason else "completed"
+    response["incomplete_details"] = {"reason": reason} if reason else None
+    response["usage"] = responses_usage(usage)
+
+
+def message_item(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    return {
+        "id": new_id("msg_"),
+        "type": "message",
+        "status": "completed",
+        "role": "assistant",
+        "content": [
+            {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+        ],
+    }
+
+
+def reasoning_item(text: str) -> dict[str, Any]:
+    return {
+        "id": new_id("rs_"),
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed",
+    }
+
+
+def function_call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": new_id("fc_"),
+        "type": "function_call",
+        "status": "completed",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def chat_to_response(
+    data: Mapping[str, Any], request: Mapping[str, Any], response_id: str, model: str
+) -> dict[str, Any]:
+    """A `chat.completion` (first choice) → the Response object."""
+    response = response_shell(request, response_id, model)
+    choices = data.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    message = choice.get("message") or {}
+    output: list[dict[str, Any]] = response["output"]
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:
+        output.append(reasoning_item(reasoning))
+    content = message.get("content")
+    text = content if isinstance(content, str) else ""
+    if isinstance(content, list):
+        text = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    if text or not message.get("tool_calls"):
+        logprobs = choice.get("logprobs")
+        tokens = logprobs.get("content") if isinstance(logprobs, dict) else None
+        output.append(message_item(text, _logprobs(tokens)))
+    if message.get("refusal"):
+        item = message_item("")
+        item["content"] = [{"type": "refusal", "refusal": message["refusal"]}]
+        output.append(item)
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        output.append(
+            function_call_item(
+                call.get("id") or new_id("call_"),
+                function.get("name") or "",
+                function.get("arguments") or "",
+            )
+        )
+    finish(response, choice.get("finish_reason"), data.get("usage"))
+    return response
+
+
+def _logprobs(tokens: object) -> list[Any]:
+    """Chat token logprobs → Responses output_text logprobs (the same fields)."""
+    if not isinstance(tokens, list):
+        return []
+    return [
+        {
+            "token": t.get("token", ""),
+            "logprob": t.get("logprob", 0.0),
+            "bytes": t.get("bytes") or [],
+            "top_logprobs": [
+                {
+                    "token": o.get("token", ""),
+                    "logprob": o.get("logprob", 0.0),
+                    "bytes": o.get("bytes") or [],
+                }
+                for o in t.get("top_logprobs") or ()
+                if isinstance(o, dict)
+            ],
+        }
+        for t in tokens
+        if isinstance(t, dict)
+    ]
+
+
+def output_items_as_input(response: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A Response's output as input items of the next turn (what `previous_response_id` adds)."""
+    items: list[dict[str, Any]] = []
+    for item in response.get("output") or ():
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        if kind == "message":
+            text = "".join(
+                p.get("text") or p.get("refusal") or ""
+                for p in item.get("content") or ()
+                if isinstance(p, dict)
+            )
+            items.append({"type": "message", "role": "assistant", "content": text})
+        elif kind == "function_call":
+            items.append(
+                {
+                    "type": "function_call",
+                    "call_id": item.get("call_id"),
+                    "name": item.get("name"),
+                    "arguments": item.get("arguments") or "",
+                }
+            )
+        # reasoning items are not replayed: chat upstreams cannot take them back
+    return items
+
+
+def input_items(body: Mapping[str, Any]) -> list[Any]:
+    """A request's `input` as a list of items (a string is one user message)."""
+    value = body.get("input")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return list(value) if isinstance(value, list) else []
