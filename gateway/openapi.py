@@ -227,7 +227,15 @@ _COUNT_SCHEMAS: Final[Document] = {
                 ]
             },
             "tools": {"type": "array", "items": {"$ref": "#/components/schemas/AnthropicTool"}},
-            "tool_choice": {"type": "object"},
+            "tool_choice": {  # as on POST /v1/messages
+                "type": "object",
+                "properties": {
+                    "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]},
+                    "name": {"type": "string"},
+                    "disable_parallel_tool_use": {"type": "boolean"},
+                },
+                "required": ["type"],
+            },
         },
         "additionalProperties": True,
         "required": ["model", "messages"],

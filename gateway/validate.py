@@ -16,7 +16,15 @@ import orjson
 from gateway.errors import QUOTE_CHARS, InvalidRequestError, quote
 from gateway.models import MAX_JSON_DEPTH, Call, Endpoint
 
-__all__ = ["MAX_JSON_DEPTH", "OUTPUT_LENGTH_FIELDS", "parse_call"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "OUTPUT_LENGTH_FIELDS",
+    "check_messages",
+    "invalid_type",
+    "load_body",
+    "missing_param",
+    "parse_call",
+]
 
 _ORJSON_MAX_DEPTH: Final = 254
 # Serialising the body inside this many arrays fails exactly when it is nested too deeply.
@@ -43,7 +51,7 @@ _TYPE_NAMES: Final[dict[type, str]] = {
 }
 
 
-def _invalid_type(param: str, expected: str, value: object) -> InvalidRequestError:
+def invalid_type(param: str, expected: str, value: object) -> InvalidRequestError:
     got = _TYPE_NAMES.get(type(value), "a value")
     return InvalidRequestError(
         f"Invalid type for '{param}': expected {expected}, but got {got} instead.",
@@ -52,7 +60,7 @@ def _invalid_type(param: str, expected: str, value: object) -> InvalidRequestErr
     )
 
 
-def _missing(param: str) -> InvalidRequestError:
+def missing_param(param: str) -> InvalidRequestError:
     return InvalidRequestError(
         f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
     )
@@ -63,7 +71,7 @@ def _optional_bool(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _invalid_type(name, "a boolean", value)
+        raise invalid_type(name, "a boolean", value)
     return value
 
 
@@ -72,7 +80,7 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid_type(name, "an integer", value)
+        raise invalid_type(name, "an integer", value)
     if value < minimum:
         raise InvalidRequestError(
             f"Invalid '{name}': integer below minimum value. Expected a value >= {minimum}, "
@@ -85,10 +93,10 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
 
 def _required_list(body: dict[str, Any], name: str) -> list[Any]:
     if name not in body or body[name] is None:
-        raise _missing(name)
+        raise missing_param(name)
     value = body[name]
     if not isinstance(value, list):
-        raise _invalid_type(name, "an array", value)
+        raise invalid_type(name, "an array", value)
     if not value:
         raise InvalidRequestError(
             f"Invalid '{name}': empty array. Expected an array with minimum length 1, "
@@ -99,16 +107,16 @@ def _required_list(body: dict[str, Any], name: str) -> list[Any]:
     return value
 
 
-def _messages(body: dict[str, Any]) -> None:
+def check_messages(body: dict[str, Any]) -> None:
     for index, message in enumerate(_required_list(body, "messages")):
         param = f"messages[{index}]"
         if not isinstance(message, dict):
-            raise _invalid_type(param, "an object", message)
+            raise invalid_type(param, "an object", message)
         role = message.get("role")
         if role is None:
-            raise _missing(f"{param}.role")
+            raise missing_param(f"{param}.role")
         if not isinstance(role, str):
-            raise _invalid_type(f"{param}.role", "a string", role)
+            raise invalid_type(f"{param}.role", "a string", role)
 
 
 # Top-level fields of a Responses request and the JSON types each may have (null aside): the
@@ -137,12 +145,12 @@ _RESPONSES_FIELDS: Final[dict[str, tuple[tuple[type, ...], str]]] = {
 def _typed(value: object, param: str, types: tuple[type, ...], expected: str) -> None:
     """Refuse a non-null value of another JSON type (a boolean is no number here)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
-        raise _invalid_type(param, expected, value)
+        raise invalid_type(param, expected, value)
 
 
 def _responses(body: dict[str, Any]) -> None:
     if body.get("input") is None and body.get("previous_response_id") is None:
-        raise _missing("input")
+        raise missing_param("input")
     for name, (types, expected) in _RESPONSES_FIELDS.items():
         _typed(body.get(name), name, types, expected)
     for name in ("store", "parallel_tool_calls", "background"):
@@ -183,7 +191,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return found
 
 
-def _load(raw: bytes) -> Any:
+def load_body(raw: bytes) -> Any:
     """The parsed body, refused if it could not be forwarded as it was understood."""
     try:
         body = orjson.loads(raw)
@@ -217,21 +225,21 @@ def _load(raw: bytes) -> Any:
 
 def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
     """Parse and check a request body. Raises InvalidRequestError naming the offending param."""
-    body = _load(raw)
+    body = load_body(raw)
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_type")
     model = body.get("model")
     if model is None:
-        raise _missing("model")
+        raise missing_param("model")
     if not isinstance(model, str):
-        raise _invalid_type("model", "a string", model)
+        raise invalid_type("model", "a string", model)
 
     stream = _optional_bool(body, "stream")
     include_usage = False
     max_tokens: int | None = None
     n = 1
     if endpoint == "chat":
-        _messages(body)
+        check_messages(body)
         # Both may be sent, and servers differ on which wins: the larger is what may be used.
         lengths = [_optional_int(body, name, 0) for name in OUTPUT_LENGTH_FIELDS["chat"]]
         max_tokens = max((v for v in lengths if v is not None), default=None)
@@ -239,18 +247,18 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
     elif endpoint == "completions":
         prompt = body.get("prompt")
         if prompt is None:
-            raise _missing("prompt")
+            raise missing_param("prompt")
         if not isinstance(prompt, str | list):
-            raise _invalid_type("prompt", "a string or an array", prompt)
+            raise invalid_type("prompt", "a string or an array", prompt)
         max_tokens = _optional_int(body, "max_tokens", 0)
         n = _optional_int(body, "n", 1) or 1
         _optional_int(body, "best_of", 1)  # generated on the server: capped as `n` is
     elif endpoint == "embeddings":
         value = body.get("input")
         if value is None:
-            raise _missing("input")
+            raise missing_param("input")
         if not isinstance(value, str | list):
-            raise _invalid_type("input", "a string or an array", value)
+            raise invalid_type("input", "a string or an array", value)
         if isinstance(value, list) and not value:
             raise InvalidRequestError(
                 "Invalid 'input': empty array. Expected an array with minimum length 1, "
@@ -266,19 +274,19 @@ def parse_call(endpoint: Endpoint, raw: bytes) -> Call:
         _responses(body)
         max_tokens = _optional_int(body, "max_output_tokens", 16)
     else:  # Anthropic Messages
-        _messages(body)
+        check_messages(body)
         if body.get("max_tokens") is None:
-            raise _missing("max_tokens")
+            raise missing_param("max_tokens")
         max_tokens = _optional_int(body, "max_tokens", 1)
         system = body.get("system")
         if system is not None and not isinstance(system, str | list):
-            raise _invalid_type("system", "a string or an array", system)
+            raise invalid_type("system", "a string or an array", system)
 
     if stream and endpoint in ("chat", "completions"):
         options = body.get("stream_options")
         if options is not None:
             if not isinstance(options, dict):
-                raise _invalid_type("stream_options", "an object", options)
+                raise invalid_type("stream_options", "an object", options)
             include_usage = _optional_bool(options, "include_usage")
     elif endpoint == "messages":
         include_usage = True  # Anthropic streams always carry usage

@@ -424,7 +424,9 @@ def test_anthropic_stream_is_classified_event_by_event() -> None:
     assert (empty.content, empty.tokens) == (False, 0)
     assert stop_block.content is False
     assert delta.finish_reason == "end_turn"
-    assert delta.usage == Usage(input_tokens=35, output_tokens=15, cached_tokens=10)  # included
+    assert delta.usage == Usage(
+        input_tokens=35, output_tokens=15, cached_tokens=10, cache_write_tokens=0
+    )  # included
     assert (stop.done, stop.content) == (True, False)
     assert b"".join(
         chunk.raw for chunk in (start, block, ping, hello, empty, stop_block, delta, stop)
@@ -519,7 +521,9 @@ def test_anthropic_message_body() -> None:
         6,
         "end_turn",
     )
-    assert chunk.usage == Usage(input_tokens=112, output_tokens=6, cached_tokens=0)
+    assert chunk.usage == Usage(
+        input_tokens=112, output_tokens=6, cached_tokens=0, cache_write_tokens=100
+    )
 
 
 def test_anthropic_tool_use_body_is_content() -> None:

@@ -63,9 +63,10 @@ async def gateway(anthropic_upstream: AnthropicUpstream) -> AsyncIterator[Gatewa
         ("claude", ["anthropic/claude-x"]),
         ("claude-tool", ["anthropic/claude-x@tool"]),
         ("claude-cut", ["anthropic/claude-x@error_after=2"]),
-        # The simulated deployment always fails: the conversation fails over to Anthropic.
-        ("flaky", ["local/chat@error_500_rate=1", "anthropic/claude-x"]),
+        # The simulated deployment always fails: the conversation falls back to Anthropic.
+        ("flaky", ["local/chat@error_500_rate=1"]),
     )
+    models[-1]["fallbacks"] = ["claude"]
     async with run_gateway(gateway_settings(providers, models)) as gw:
         yield gw
 
@@ -216,6 +217,7 @@ async def test_conversation_continues_across_a_failover(
     )
     second = raw.parse()
     assert raw.headers["x-tailguard-deployment"] == "anthropic/claude-x"
+    assert raw.headers["x-tailguard-route"] == "error_fallback"
     assert int(raw.headers["x-tailguard-attempts"]) == 2, raw.headers["server-timing"]
     assert second.previous_response_id == first.id
     sent = _fake(anthropic_upstream).requests[-1].body["messages"]
@@ -406,7 +408,10 @@ async def test_a_ttft_budget_fails_a_slow_stream_over(gateway: Gateway) -> None:
             "slowsim": {"type": "simulated", "default_profile": {"prefill_base_ms": 5000}},
             "local": {"type": "simulated", "default_profile": {"output_tokens": 3}},
         },
-        _models(("slow", ["slowsim/chat", "local/chat"])),
+        [
+            {**_models(("slow", ["slowsim/chat"]))[0], "fallbacks": ["fast"]},
+            *_models(("fast", ["local/chat"])),
+        ],
     )
     async with (
         run_gateway(settings) as gw,
@@ -423,3 +428,35 @@ async def test_a_ttft_budget_fails_a_slow_stream_over(gateway: Gateway) -> None:
             body = await raw.text()
     assert body.count("event: response.output_text.delta") == 3
     assert "event: response.completed" in body
+
+
+async def test_reasoning_and_cached_tokens_from_the_simulator() -> None:
+    """Reasoning comes first as its own item and events; a second turn continued with
+    `previous_response_id` shares the first turn's prefix, so its input is partly cached."""
+    profile = {"output_tokens": 4, "reasoning_tokens": 3, "prefix_cache_tokens": 100_000}
+    settings = gateway_settings(
+        {"local": {"type": "simulated", "default_profile": profile}},
+        _models(("think", ["local/think"])),
+    )
+    long_input = "Tell me about tail latency. " * 40
+    async with (
+        run_gateway(settings) as gw,
+        openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0) as sdk,
+    ):
+        stream = await sdk.responses.create(model="think", input=long_input, stream=True)
+        events = [event async for event in stream]
+        second = await sdk.responses.create(
+            model="think", previous_response_id=events[-1].response.id, input="And p99?"
+        )
+    kinds = [e.type for e in events]
+    assert kinds.count("response.reasoning_text.delta") == 3
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    first = events[-1]
+    assert isinstance(first, ResponseCompletedEvent)
+    assert [item.type for item in first.response.output] == ["reasoning", "message"]
+    usage = first.response.usage
+    assert usage is not None and usage.output_tokens_details.reasoning_tokens == 3
+    assert usage.input_tokens_details.cached_tokens == 0
+    assert second.usage is not None
+    assert second.usage.input_tokens > usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= usage.input_tokens // 2

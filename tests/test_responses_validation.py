@@ -126,39 +126,38 @@ async def test_a_wrong_type_is_a_400_naming_the_field(
 async def test_every_checked_field_of_the_right_type_is_answered(gateway: Gateway) -> None:
     """The same fields with values of the right types are translated and answered, and the
     echoed ones come back in the Response object as sent."""
+    request: dict[str, Any] = {
+        "model": "chat",
+        "instructions": [{"role": "developer", "content": "Be brief."}],
+        "input": [
+            _message("user", [{"type": "input_text", "text": "Look:"}]),
+            _message(
+                "user",
+                [{"type": "input_image", "image_url": "https://x.test/a.png", "detail": "low"}],
+            ),
+            _message("user", [{"type": "input_file", "file_data": "aGk=", "filename": "a.txt"}]),
+            _message("assistant", [{"type": "output_text", "text": "Calling f."}]),
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {
+                "type": "function_call_output",
+                "call_id": "c1",
+                "output": [{"type": "input_text", "text": "done"}],
+            },
+        ],
+        "tools": [{**FUNCTION, "description": "F.", "strict": False}],
+        "tool_choice": {"type": "function", "name": "f"},
+        "temperature": 0.5,
+        "top_p": 1,
+        "top_logprobs": 2,
+        "parallel_tool_calls": False,
+        "include": ["message.output_text.logprobs"],
+        "metadata": {"team": "a"},
+        "user": "u1",
+        "reasoning": {"effort": "low"},
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}},
+    }
     async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key="x", max_retries=0) as sdk:
-        response = await sdk.responses.create(
-            model="chat",
-            instructions=[{"role": "developer", "content": "Be brief."}],
-            input=[
-                _message("user", [{"type": "input_text", "text": "Look:"}]),
-                _message(
-                    "user",
-                    [{"type": "input_image", "image_url": "https://x.test/a.png", "detail": "low"}],
-                ),
-                _message(
-                    "user", [{"type": "input_file", "file_data": "aGk=", "filename": "a.txt"}]
-                ),
-                _message("assistant", [{"type": "output_text", "text": "Calling f."}]),
-                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-                {
-                    "type": "function_call_output",
-                    "call_id": "c1",
-                    "output": [{"type": "input_text", "text": "done"}],
-                },
-            ],
-            tools=[{**FUNCTION, "description": "F.", "strict": False}],  # type: ignore[list-item]
-            tool_choice={"type": "function", "name": "f"},
-            temperature=0.5,
-            top_p=1,
-            top_logprobs=2,
-            parallel_tool_calls=False,
-            include=["message.output_text.logprobs"],
-            metadata={"team": "a"},
-            user="u1",
-            reasoning={"effort": "low"},
-            text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}},
-        )
+        response = await sdk.responses.create(**request)
     assert response.status == "completed"
     assert (response.temperature, response.top_p) == (0.5, 1)
     assert response.metadata == {"team": "a"}

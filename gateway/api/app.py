@@ -29,7 +29,7 @@ from gateway.api.count import count_routes
 from gateway.api.edge import LLM_ROUTES, EdgeMiddleware, context_of
 from gateway.api.render import error_response, http_error, unexpected_error
 from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
-from gateway.errors import GatewayError, UnknownModelError, quote
+from gateway.errors import GatewayError, InvalidRequestError, UnknownModelError, quote
 from gateway.latency import Recorder, TargetStats
 from gateway.openapi import build_openapi
 from gateway.providers.vllm import snapshot as vllm_snapshot
@@ -188,12 +188,18 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/v1/responses/{response_id}/input_items", responses=_NOT_STORED)
     async def response_input_items(
-        request: Request, response_id: str, limit: int = 20, order: str = "desc"
+        request: Request, response_id: str, limit: str = "20", order: str = "desc"
     ) -> Response:
         async def listed(store: ResponseStore, rid: str, owner: str) -> Response:
-            return await list_input_items(
-                store, rid, owner, limit=max(1, min(limit, 100)), order=order
-            )
+            if not limit.isdigit() or not 1 <= int(limit) <= 100:
+                raise InvalidRequestError(
+                    "Invalid 'limit': expected an integer from 1 to 100.", param="limit"
+                )
+            if order not in ("asc", "desc"):
+                raise InvalidRequestError(
+                    "Invalid 'order': expected 'asc' or 'desc'.", param="order"
+                )
+            return await list_input_items(store, rid, owner, limit=int(limit), order=order)
 
         return await _stored(request, listed, response_id)
 
@@ -270,7 +276,7 @@ def tune_gc() -> None:
 
 
 _NOT_STORED: dict[int | str, dict[str, Any]] = {
-    404: {"description": "No stored response with that id for this key (`not_found`)."}
+    404: {"description": "No stored response with that id for this key (`response_not_found`)."}
 }
 
 

@@ -40,9 +40,7 @@ from gateway.models import Call, Wire
 from gateway.providers.count import CountQuery, counter_of, estimate_tokens
 from gateway.providers.translate import TranslationError
 from gateway.runtime import Runtime, Services
-from gateway.validate import _invalid_type, _missing, parse_call
-from gateway.validate import _load as load_body
-from gateway.validate import _messages as check_messages
+from gateway.validate import check_messages, invalid_type, load_body, missing_param, parse_call
 
 log = logging.getLogger("tailguard")
 
@@ -211,9 +209,9 @@ def parse_count(wire: Wire, raw: bytes) -> tuple[str, CountQuery]:
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_type")
     model = body.pop("model", None)
     if model is None:
-        raise _missing("model")
+        raise missing_param("model")
     if not isinstance(model, str):
-        raise _invalid_type("model", "a string", model)
+        raise invalid_type("model", "a string", model)
     check_messages(body)
     for index, message in enumerate(body["messages"]):
         if message["role"] not in ("user", "assistant"):
@@ -224,8 +222,8 @@ def parse_count(wire: Wire, raw: bytes) -> tuple[str, CountQuery]:
             )
     system = body.get("system")
     if system is not None and not isinstance(system, str | list):
-        raise _invalid_type("system", "a string or an array", system)
+        raise invalid_type("system", "a string or an array", system)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise _invalid_type("tools", "an array", tools)
+        raise invalid_type("tools", "an array", tools)
     return model, CountQuery(wire, body)

@@ -28,7 +28,7 @@ from gateway.errors import (
     stream_error,
 )
 from gateway.latency import CANCELLED, TOTAL_DEADLINE
-from gateway.models import Call
+from gateway.models import Call, Wire
 from gateway.routing import Decision, Ledger, Opened, open_first, prompt_band
 from gateway.routing.deadline import before_commit, ran_out, stream_deadline
 from gateway.routing.idle import IdleWatch
@@ -140,9 +140,7 @@ class Proxy:
                 cut = StreamInterruptedError(
                     why or "The gateway failed while relaying the response."
                 )
-                opened = self._outcome.opened
-                fail = opened.prepared.fail if opened is not None else None
-                body = fail(cut.code or cut.type, cut.message) if fail else stream_error(cut, wire)
+                body = _cut(self._outcome.opened, cut, wire)
                 await send({"type": "http.response.body", "body": body, "more_body": False})
             elif why is not None:
                 self._outcome.status = 503
@@ -193,17 +191,9 @@ class Proxy:
             self._outcome.queue_s = time.perf_counter() - queued
         return await open_first(ledger, self._decision.plan, services.latency.snapshot)
 
-    def _keep(self, opened: Opened) -> None:
-        """Store a finished Responses API answer for `previous_response_id` and GET."""
-        result = opened.prepared.result
-        if result is not None and result.response is not None:
-            owner = owner_of(self._outcome.ctx.principal)
-            keep(self._services.responses, self._call, result.response, owner)
-
     async def _respond(self, opened: Opened, send: Send, ledger: Ledger) -> None:
         body = b"".join(opened.head)
-        if opened.prepared.result is not None:
-            self._keep(opened)
+        _keep(self._outcome, self._call, opened)
         headers = _head(self._outcome, self._call, opened, _JSON)
         headers.append((b"content-length", str(len(body)).encode()))
         self._started = True
@@ -247,8 +237,10 @@ class Proxy:
                         break
                 if tally.tokens != tokens:
                     idle.progressed()
-                if finished and opened.prepared.result is not None:
-                    self._keep(opened)  # before the last event: the next turn may follow it
+                if finished:
+                    _keep(
+                        self._outcome, self._call, opened
+                    )  # before the last event: the next turn may follow
                 data = b"".join(out)
                 if data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -266,12 +258,7 @@ class Proxy:
                 except asyncio.CancelledError:
                     if not idle.expired():
                         raise
-                    failure = ProviderTimeoutError(  # its message names the deployment
-                        f"no content from the upstream for {round(idle_s * 1000)} ms "
-                        "(the stream idle timeout)",
-                        deployment=opened.candidate.id,
-                        kind="stream_idle",
-                    )
+                    failure = _went_idle(opened.candidate.id, idle_s)
                     break
                 except TimeoutError:
                     failure = ran_out(self._decision.budget, opened.candidate.id)
@@ -291,9 +278,7 @@ class Proxy:
             log.warning("request %s: stream cut: %s", self._request_id, failure.message)
             self._outcome.error_type = failure.code
             tally.finish_reasons.append("error")
-            fail = opened.prepared.fail
-            code = failure.code or failure.type
-            body = fail(code, failure.message) if fail else stream_error(failure, call.wire)
+            body = _cut(opened, failure, call.wire)
             await send({"type": "http.response.body", "body": body, "more_body": False})
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -303,6 +288,31 @@ class Proxy:
         cut = isinstance(failure, ProviderTimeoutError) and failure.kind == TOTAL_DEADLINE
         why = TOTAL_DEADLINE if cut else failure.code if failure is not None else None
         ledger.ended(ok=failure is None, error=why, cut=cut)
+
+
+def _went_idle(deployment: str, idle_s: float) -> ProviderTimeoutError:
+    return ProviderTimeoutError(  # its message names the deployment
+        f"no content from the upstream for {round(idle_s * 1000)} ms (the stream idle timeout)",
+        deployment=deployment,
+        kind="stream_idle",
+    )
+
+
+def _keep(outcome: RequestOutcome, call: Call, opened: Opened) -> None:
+    """Store a finished Responses API answer for `previous_response_id` and GET."""
+    result = opened.prepared.result
+    if result is not None and result.response is not None:
+        owner = owner_of(outcome.ctx.principal)
+        keep(outcome.services.responses, call, result.response, owner)
+
+
+def _cut(opened: Opened | None, error: GatewayError, wire: Wire) -> bytes:
+    """The last bytes of a stream cut after it began, in the client's wire: the Responses API
+    ends with its own `error` and `response.failed` events."""
+    fail = opened.prepared.fail if opened is not None else None
+    if fail is not None:
+        return fail(error.code or error.type, error.message)
+    return stream_error(error, wire)
 
 
 def _observe(services: Services, decision: Decision, opened: Opened) -> None:

@@ -224,7 +224,7 @@ def _http_counter(
     async def post() -> int:
         body = orjson.dumps(make_body())  # translated before anything is sent
         # The provider's own pool and credentials, as its LLM requests use them.
-        sent = provider._body_headers | headers
+        sent = provider.body_headers | headers
         try:
             async with asyncio.timeout(limit_s):
                 status, answer, reply_headers = await _post(provider.session, url, body, sent)

@@ -155,7 +155,8 @@ class HTTPProvider:
             "accept": "text/event-stream",
             "accept-encoding": "identity",
         }
-        self._body_headers = headers | {"accept": "application/json"}
+        # What a non-streaming request sends: also the token counters' headers (see count.py).
+        self.body_headers = headers | {"accept": "application/json"}
         self.secrets = tuple(v.get_secret_value() for v in spec.headers.values()) + (
             (key,) if key else ()
         )
@@ -164,7 +165,7 @@ class HTTPProvider:
         return endpoint in self._urls
 
     async def open(self, deployment: str, request: UpstreamRequest) -> ChunkStream:
-        base = self._stream_headers if request.stream else self._body_headers
+        base = self._stream_headers if request.stream else self.body_headers
         headers = base | request.headers if request.headers else base
         try:
             response = await self.session.post(

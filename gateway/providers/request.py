@@ -75,9 +75,12 @@ def prepare(
         raise InvalidRequestError(
             f"{provider.name}/{upstream_model}: {exc}", param=exc.param
         ) from None
-    except orjson.JSONEncodeError:
+    except orjson.JSONEncodeError as exc:
         # Only what translation parses out of strings (tool-call arguments) can be this deep:
-        # the body itself was held to MAX_JSON_DEPTH when it arrived.
+        # the body itself was held to MAX_JSON_DEPTH when it arrived. orjson's error is a
+        # TypeError: anything else is a bug in translation, not the client's.
+        if "recursion" not in str(exc).lower():
+            raise
         raise InvalidRequestError(
             f"{provider.name}/{upstream_model}: the request is nested too deeply to be sent "
             f"once translated (at most {_SENDABLE_DEPTH} levels of arrays and objects).",

@@ -18,6 +18,7 @@ module cannot (`not`, `if`/`then`/`else`, `contains`, `patternProperties`, ...) 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections.abc import Mapping
@@ -27,7 +28,18 @@ from urllib.parse import unquote
 import orjson
 
 from gateway.sim.pattern import Compiled, PatternError, compile_pattern, generate_match
-from gateway.sim.text import TOKENS
+from gateway.sim.values import (
+    FORMATS,
+    WORDS,
+    SchemaError,
+    canonical,
+    fits,
+    formatted,
+    numeric,
+    same,
+    where,
+    words,
+)
 
 __all__ = ["SchemaError", "check", "generate"]
 
@@ -55,19 +67,12 @@ _UNSUPPORTED: Final = frozenset(
 _SUBSCHEMA_LISTS: Final = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS: Final = ("properties", "$defs", "definitions")
 _SUBSCHEMAS: Final = ("items", "additionalProperties", "unevaluatedProperties")
+_LOWER_BOUNDS: Final = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
+_UPPER_BOUNDS: Final = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
 _SHALLOW_DEPTH: Final = 5  # from here on only what is required is generated
 _MAX_DEPTH: Final = 40  # a schema that requires deeper values is refused
 _MAX_COUNT: Final = 1000  # minItems / minProperties
 _MAX_LENGTH: Final = 100_000  # minLength
-_DEFAULT_SPAN: Final = 100  # an unbounded integer or number is drawn within this of its bound
-_WORDS: Final = tuple(token.strip() for token in TOKENS)
-_FORMATS: Final = frozenset(
-    {"date-time", "date", "time", "email", "uuid", "uri", "url", "hostname", "ipv4", "ipv6"}
-)
-
-
-class SchemaError(ValueError):
-    """A schema the simulator cannot draw values for; the message says where and why."""
 
 
 def check(schema: object) -> None:
@@ -81,43 +86,13 @@ def generate(schema: object, rng: random.Random) -> Any:
     return _Generator(schema, rng).value(schema, "", 0)
 
 
-def _type_of(value: object) -> str:
-    """The JSON type of a JSON value (a whole float is an integer, as JSON Schema says)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
-
-
-def _canonical(value: Any) -> Any:
-    """A value as JSON Schema compares it for `uniqueItems`: 1 and 1.0 are the same."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_canonical(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _canonical(v) for k, v in value.items()}
-    return value
-
-
-def _where(path: str) -> str:
-    return path or "the schema"
-
-
 def _resolve(root: object, ref: object, path: str) -> object:
     if not isinstance(ref, str) or not ref.startswith("#"):
-        raise SchemaError(f"{_where(path)}: only local '$ref's (starting with '#') are supported")
+        raise SchemaError(f"{where(path)}: only local '$ref's (starting with '#') are supported")
     node = root
     pointer = unquote(ref[1:])
     if pointer and not pointer.startswith("/"):
-        raise SchemaError(f"{_where(path)}: '$ref' {ref!r} is not a JSON pointer")
+        raise SchemaError(f"{where(path)}: '$ref' {ref!r} is not a JSON pointer")
     for part in pointer.split("/")[1:] if pointer else ():
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
@@ -125,21 +100,84 @@ def _resolve(root: object, ref: object, path: str) -> object:
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            raise SchemaError(f"{_where(path)}: '$ref' {ref!r} points at nothing")
+            raise SchemaError(f"{where(path)}: '$ref' {ref!r} points at nothing")
     return node
 
 
-def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """Both schemas at once, approximately: properties joined, required united, else `extra`."""
+def _merge(base: Mapping[str, Any], extra: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """One schema that both constrain (`allOf`, `$ref` siblings, an `anyOf` branch and the
+    keywords beside it): bounds tightened, types and enums intersected, subschemas nested."""
+    base, extra = _within(extra, base, path), _within(base, extra, path)
     merged = dict(base)
     for key, value in extra.items():
-        if key == "properties" and isinstance(merged.get(key), dict) and isinstance(value, dict):
-            merged[key] = {**merged[key], **value}
-        elif key == "required" and isinstance(merged.get(key), list) and isinstance(value, list):
-            merged[key] = [*merged[key], *(v for v in value if v not in merged[key])]
-        else:
+        if key not in merged:
             merged[key] = value
+            continue
+        old = merged[key]
+        if old == value:
+            continue
+        if key == "type":
+            kinds = _intersect_types(old, value)
+            if not kinds:
+                raise SchemaError(f"{where(path)}: no type satisfies both schemas")
+            merged[key] = kinds
+        elif key == "properties" and isinstance(old, dict) and isinstance(value, dict):
+            merged[key] = {
+                **old,
+                **{n: {"allOf": [old[n], v]} if n in old else v for n, v in value.items()},
+            }
+        elif key == "required" and isinstance(old, list) and isinstance(value, list):
+            merged[key] = [*old, *(v for v in value if v not in old)]
+        elif key in _LOWER_BOUNDS and not isinstance(old, bool) and not isinstance(value, bool):
+            merged[key] = max(old, value)
+        elif key in _UPPER_BOUNDS and not isinstance(old, bool) and not isinstance(value, bool):
+            merged[key] = min(old, value)
+        elif key == "enum" and isinstance(old, list) and isinstance(value, list):
+            merged[key] = [v for v in old if v in value]
+            if not merged[key]:
+                raise SchemaError(f"{where(path)}: no value is in both enums")
+        elif key in _SUBSCHEMAS:
+            merged[key] = {"allOf": [old, value]}
+        elif key in ("anyOf", "oneOf") and isinstance(old, list) and isinstance(value, list):
+            merged[key] = [{"allOf": [a, b]} for a in old for b in value]
+        elif key == "uniqueItems":
+            merged[key] = bool(old) or bool(value)
+        elif key == "allOf" and isinstance(old, list) and isinstance(value, list):
+            merged[key] = [*old, *value]
+        else:
+            raise SchemaError(f"{where(path)}: '{key}' differs between schemas that both apply")
     return merged
+
+
+def _within(owner: Mapping[str, Any], other: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    """`other` with the properties that `owner` does not name held to `owner`'s
+    `additionalProperties`, which applies to them once both schemas are one."""
+    allowed = owner.get("additionalProperties", True)
+    if allowed is True or not ({"properties", "required"} & other.keys()):
+        return other
+    known = owner.get("properties") or {}
+    properties = dict(other.get("properties") or {})
+    for name in [*properties, *(other.get("required") or ())]:
+        if name in known:
+            continue
+        if allowed is False:
+            if name in (other.get("required") or ()):
+                raise SchemaError(f"{where(path)}: '{name}' is required and also forbidden")
+            properties.pop(name, None)
+        elif name in properties:
+            properties[name] = {"allOf": [properties[name], allowed]}
+    return {**other, "properties": properties}
+
+
+def _intersect_types(old: object, value: object) -> list[str]:
+    first = [str(k) for k in (old if isinstance(old, list) else [old])]
+    second = [str(k) for k in (value if isinstance(value, list) else [value])]
+    kinds = [k for k in first if k in second]
+    if "number" in first and "integer" in second and "integer" not in kinds:
+        kinds.append("integer")
+    if "integer" in first and "number" in second and "integer" not in kinds:
+        kinds.append("integer")
+    return kinds
 
 
 def _number(node: Mapping[str, Any], key: str, path: str) -> float | None:
@@ -147,7 +185,7 @@ def _number(node: Mapping[str, Any], key: str, path: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise SchemaError(f"{_where(path)}: '{key}' must be a number")
+        raise SchemaError(f"{where(path)}: '{key}' must be a number")
     return value
 
 
@@ -156,9 +194,9 @@ def _count(node: Mapping[str, Any], key: str, path: str, limit: int) -> int | No
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SchemaError(f"{_where(path)}: '{key}' must be a non-negative integer")
+        raise SchemaError(f"{where(path)}: '{key}' must be a non-negative integer")
     if key.startswith("min") and value > limit:
-        raise SchemaError(f"{_where(path)}: '{key}' above {limit} is not supported")
+        raise SchemaError(f"{where(path)}: '{key}' above {limit} is not supported")
     return value
 
 
@@ -172,44 +210,46 @@ class _Checker:
         if isinstance(node, bool):
             return
         if not isinstance(node, dict):
-            raise SchemaError(f"{_where(path)}: a schema must be an object or a boolean")
+            raise SchemaError(f"{where(path)}: a schema must be an object or a boolean")
         if id(node) in seen:
             return
         seen.add(id(node))
         for key in node:
             if key in _UNSUPPORTED:
-                raise SchemaError(f"{_where(path)}: '{key}' is not supported")
+                raise SchemaError(f"{where(path)}: '{key}' is not supported")
         if "$ref" in node:
             self.walk(_resolve(self.root, node["$ref"], path), f"{path}/$ref", seen)
         self._types(node, path)
         if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
-            raise SchemaError(f"{_where(path)}: 'enum' must be a non-empty array")
+            raise SchemaError(f"{where(path)}: 'enum' must be a non-empty array")
         required = node.get("required")
         if required is not None and (
             not isinstance(required, list) or not all(isinstance(r, str) for r in required)
         ):
-            raise SchemaError(f"{_where(path)}: 'required' must be an array of strings")
+            raise SchemaError(f"{where(path)}: 'required' must be an array of strings")
         self._bounds(node, path)
+        if "format" in node and not isinstance(node["format"], str):
+            raise SchemaError(f"{where(path)}: 'format' must be a string")
         pattern = node.get("pattern")
         if pattern is not None:
             if not isinstance(pattern, str):
-                raise SchemaError(f"{_where(path)}: 'pattern' must be a string")
+                raise SchemaError(f"{where(path)}: 'pattern' must be a string")
             try:
                 compile_pattern(pattern)
             except PatternError as exc:
-                raise SchemaError(f"{_where(path)}: {exc}") from None
+                raise SchemaError(f"{where(path)}: {exc}") from None
         for key in _SUBSCHEMA_LISTS:
             if key in node:
                 branches = node[key]
                 if not isinstance(branches, list) or (key != "prefixItems" and not branches):
-                    raise SchemaError(f"{_where(path)}: '{key}' must be a non-empty array")
+                    raise SchemaError(f"{where(path)}: '{key}' must be a non-empty array")
                 for i, branch in enumerate(branches):
                     self.walk(branch, f"{path}/{key}/{i}", seen)
         for key in _SUBSCHEMA_MAPS:
             if key in node:
                 members = node[key]
                 if not isinstance(members, dict):
-                    raise SchemaError(f"{_where(path)}: '{key}' must be an object")
+                    raise SchemaError(f"{where(path)}: '{key}' must be an object")
                 for name, member in members.items():
                     self.walk(member, f"{path}/{key}/{name}", seen)
         for key in _SUBSCHEMAS:
@@ -222,7 +262,7 @@ class _Checker:
             return
         kinds = kind if isinstance(kind, list) else [kind]
         if not kinds or not all(isinstance(k, str) and k in _TYPES for k in kinds):
-            raise SchemaError(f"{_where(path)}: 'type' must be one of {', '.join(_TYPES)}")
+            raise SchemaError(f"{where(path)}: 'type' must be one of {', '.join(_TYPES)}")
 
     def _bounds(self, node: Mapping[str, Any], path: str) -> None:
         for key in ("minimum", "maximum", "multipleOf"):
@@ -232,7 +272,7 @@ class _Checker:
                 _number(node, key, path)
         multiple = node.get("multipleOf")
         if multiple is not None and multiple <= 0:
-            raise SchemaError(f"{_where(path)}: 'multipleOf' must be greater than 0")
+            raise SchemaError(f"{where(path)}: 'multipleOf' must be greater than 0")
         for low, high, limit in (
             ("minItems", "maxItems", _MAX_COUNT),
             ("minLength", "maxLength", _MAX_LENGTH),
@@ -241,9 +281,9 @@ class _Checker:
             least = _count(node, low, path, limit)
             most = _count(node, high, path, limit)
             if least is not None and most is not None and least > most:
-                raise SchemaError(f"{_where(path)}: '{low}' is greater than '{high}'")
+                raise SchemaError(f"{where(path)}: '{low}' is greater than '{high}'")
         if not isinstance(node.get("uniqueItems", False), bool):
-            raise SchemaError(f"{_where(path)}: 'uniqueItems' must be a boolean")
+            raise SchemaError(f"{where(path)}: 'uniqueItems' must be a boolean")
 
 
 class _Generator:
@@ -261,17 +301,17 @@ class _Generator:
                 f"(at {path[:80]}...)"
             )
         if node is False:
-            raise SchemaError(f"{_where(path)}: the schema 'false' allows no value")
+            raise SchemaError(f"{where(path)}: the schema 'false' allows no value")
         if node is True or not isinstance(node, dict):
-            return _words(self.rng, 1, 3)
+            return words(self.rng, 1, 3)
         if "$ref" in node:
             target = _resolve(self.root, node["$ref"], path)
             siblings = {k: v for k, v in node.items() if k != "$ref"}
             if isinstance(target, bool) or not siblings:
                 return self.value(target, path, depth + 1)
             if not isinstance(target, dict):
-                raise SchemaError(f"{_where(path)}: '$ref' must point at a schema")
-            return self.value(_merge(target, siblings), path, depth + 1)
+                raise SchemaError(f"{where(path)}: '$ref' must point at a schema")
+            return self.value(_merge(target, siblings, path), path, depth + 1)
         if "allOf" in node:
             merged = {k: v for k, v in node.items() if k != "allOf"}
             for branch in node["allOf"]:
@@ -280,34 +320,53 @@ class _Generator:
                 if isinstance(branch, dict) and "$ref" in branch:
                     branch = _resolve(self.root, branch["$ref"], path)
                 if not isinstance(branch, dict):
-                    raise SchemaError(f"{_where(path)}: 'allOf' allows no value")
-                merged = _merge(merged, branch)
+                    raise SchemaError(f"{where(path)}: 'allOf' allows no value")
+                merged = _merge(merged, branch, path)
             return self.value(merged, path, depth + 1)
-        if "const" in node or "enum" in node:
-            options = [node["const"]] if "const" in node else node["enum"]
-            if "type" in node:  # only the values of an allowed type
-                kinds = node["type"] if isinstance(node["type"], list) else [node["type"]]
-                options = [
-                    v
-                    for v in options
-                    if _type_of(v) in kinds or (_type_of(v) == "integer" and "number" in kinds)
-                ]
-                if not options:
-                    raise SchemaError(f"{_where(path)}: no value of 'enum'/'const' has the type")
-            return options[0] if len(options) == 1 else self.rng.choice(options)
         for key in ("anyOf", "oneOf"):
             if key in node:
-                branches = node[key]
-                branch = (
-                    self._simplest(branches)
-                    if depth >= _SHALLOW_DEPTH
-                    else self.rng.choice(branches)
-                )
-                siblings = {k: v for k, v in node.items() if k != key}
+                return self._branch(node, key, path, depth)
+        if "const" in node or "enum" in node:
+            options = [node["const"]] if "const" in node else node["enum"]
+            if "const" in node and "enum" in node:
+                options = [v for v in options if any(same(v, e) for e in node["enum"])]
+            options = [v for v in options if fits(v, node)]
+            if not options:
+                raise SchemaError(f"{where(path)}: no value of 'enum'/'const' meets the schema")
+            return options[0] if len(options) == 1 else self.rng.choice(options)
+        kinds = self._kinds(node, depth)
+        for i, kind in enumerate(kinds):
+            try:
+                return self._typed(kind, node, path, depth)
+            except SchemaError:
+                if i == len(kinds) - 1:  # no other type to try
+                    raise
+        raise AssertionError("unreachable: a schema has at least one type")
+
+    def _branch(self, node: Mapping[str, Any], key: str, path: str, depth: int) -> Any:
+        """A value of one branch (with the keywords beside it): drawn, the others tried after
+        it; past the shallow depth the simplest goes first."""
+        branches = list(node[key])
+        if depth >= _SHALLOW_DEPTH:
+            first = self._simplest(branches)
+            branches.remove(first)
+            branches.insert(0, first)
+        else:
+            self.rng.shuffle(branches)
+        siblings = {k: v for k, v in node.items() if k != key}
+        for i, branch in enumerate(branches):
+            try:
                 if isinstance(branch, dict) and siblings:
-                    branch = _merge(siblings, branch)
+                    branch = _merge(siblings, branch, path)
+                elif branch is True and siblings:
+                    branch = siblings
                 return self.value(branch, f"{path}/{key}", depth + 1)
-        kind = self._kind(node, depth)
+            except SchemaError:
+                if i == len(branches) - 1:
+                    raise
+        raise AssertionError("unreachable: a branch list is never empty")
+
+    def _typed(self, kind: str, node: Mapping[str, Any], path: str, depth: int) -> Any:
         if kind == "object":
             return self._object(node, path, depth)
         if kind == "array":
@@ -315,7 +374,7 @@ class _Generator:
         if kind == "string":
             return self._string(node, path)
         if kind in ("integer", "number"):
-            return _numeric(self.rng, node, path, integer=kind == "integer")
+            return numeric(self.rng, node, path, integer=kind == "integer")
         if kind == "boolean":
             return self.rng.random() < 0.5
         return None
@@ -333,7 +392,8 @@ class _Generator:
                 return branch
         return branches[0]
 
-    def _kind(self, node: Mapping[str, Any], depth: int) -> str:
+    def _kinds(self, node: Mapping[str, Any], depth: int) -> list[str]:
+        """The types to try, the drawn one first (scalars first past the shallow depth)."""
         kind = node.get("type")
         kinds: list[str]
         if isinstance(kind, str):
@@ -352,10 +412,12 @@ class _Generator:
             kinds = ["integer"]
         else:
             kinds = ["string"]
-        if len(kinds) > 1 and depth >= _SHALLOW_DEPTH:
-            scalars = [k for k in kinds if k in _SCALARS]
-            kinds = scalars or kinds
-        return kinds[0] if len(kinds) == 1 else self.rng.choice(kinds)
+        if len(kinds) > 1:
+            if depth >= _SHALLOW_DEPTH:
+                kinds.sort(key=lambda k: k not in _SCALARS)
+            else:
+                self.rng.shuffle(kinds)
+        return kinds
 
     def _object(self, node: Mapping[str, Any], path: str, depth: int) -> dict[str, Any]:
         properties = node.get("properties") or {}
@@ -363,7 +425,7 @@ class _Generator:
         least = node.get("minProperties") or 0
         most = node.get("maxProperties")
         if most is not None and len(required) > most:
-            raise SchemaError(f"{_where(path)}: more properties are required than maxProperties")
+            raise SchemaError(f"{where(path)}: more properties are required than maxProperties")
         extra = node.get("additionalProperties", node.get("unevaluatedProperties", True))
         optional = [name for name in properties if name not in required]
         room = len(optional) if most is None else most - len(required)
@@ -377,14 +439,18 @@ class _Generator:
                 chosen.append(name)
         out: dict[str, Any] = {}
         for name, sub in properties.items():
-            if name in required or name in chosen:
+            if name in required:
                 out[name] = self.value(sub, f"{path}/properties/{name}", depth + 1)
+            elif name in chosen:
+                # An optional property with no valid value is left out.
+                with contextlib.suppress(SchemaError):
+                    out[name] = self.value(sub, f"{path}/properties/{name}", depth + 1)
         for name in required:
             if name not in out:  # required but not described: the extra schema says what
                 out[name] = self._extra(extra, f"{path}/required/{name}", depth)
         i = 0
         while len(out) < least and (most is None or len(out) < most):
-            name = f"{_WORDS[i % len(_WORDS)]}_{i}"
+            name = f"{WORDS[i % len(WORDS)]}_{i}"
             i += 1
             if name not in out:
                 out[name] = self._extra(extra, f"{path}/minProperties", depth)
@@ -392,7 +458,7 @@ class _Generator:
 
     def _extra(self, extra: object, path: str, depth: int) -> Any:
         if extra is False:
-            raise SchemaError(f"{_where(path)}: needs a property that the schema forbids")
+            raise SchemaError(f"{where(path)}: needs a property that the schema forbids")
         return self.value(extra, path, depth + 1)
 
     def _array(self, node: Mapping[str, Any], path: str, depth: int) -> list[Any]:
@@ -400,8 +466,6 @@ class _Generator:
         items = node.get("items", True)
         least = node.get("minItems") or 0
         most = node.get("maxItems")
-        if isinstance(items, list):  # draft 4-7 tuples
-            prefix, items = items, node.get("additionalItems", True)
         if depth >= _SHALLOW_DEPTH:
             count = least
         else:
@@ -411,7 +475,7 @@ class _Generator:
             if count > len(prefix):
                 count = len(prefix)
             if count < least:
-                raise SchemaError(f"{_where(path)}: 'minItems' exceeds the items allowed")
+                raise SchemaError(f"{where(path)}: 'minItems' exceeds the items allowed")
         out: list[Any] = []
         unique = node.get("uniqueItems") is True
         seen: set[bytes] = set()
@@ -419,15 +483,20 @@ class _Generator:
         while len(out) < count:
             i = len(out)
             sub = prefix[i] if i < len(prefix) else items
-            value = self.value(sub, f"{path}/items/{i}", depth + 1)
+            try:
+                value = self.value(sub, f"{path}/items/{i}", depth + 1)
+            except SchemaError:
+                if len(out) < least:
+                    raise
+                break  # enough items, and no valid one more
             if unique:
-                key = orjson.dumps(_canonical(value), option=orjson.OPT_SORT_KEYS)
+                key = orjson.dumps(canonical(value), option=orjson.OPT_SORT_KEYS)
                 if key in seen:
                     attempts += 1
                     if attempts > 20 * (count + 1):
                         if len(out) >= least:
                             break
-                        raise SchemaError(f"{_where(path)}: cannot draw enough unique items")
+                        raise SchemaError(f"{where(path)}: cannot draw enough unique items")
                     continue
                 seen.add(key)
             out.append(value)
@@ -444,102 +513,17 @@ class _Generator:
             text = generate_match(compiled, self.rng, least, most)
             if text is None:
                 raise SchemaError(
-                    f"{_where(path)}: no string of the allowed length matches {pattern!r}"
+                    f"{where(path)}: no string of the allowed length matches {pattern!r}"
                 )
             return text
         fmt = node.get("format")
-        if fmt in _FORMATS:
-            text = _formatted(self.rng, str(fmt))
+        if fmt in FORMATS:
+            text = formatted(self.rng, str(fmt))
             if least <= len(text) and (most is None or len(text) <= most):
                 return text
-        text = _words(self.rng, 1, 4)
+        text = words(self.rng, 1, 4)
         while len(text) < least:
-            text += " " + _words(self.rng, 1, 4)
+            text += " " + words(self.rng, 1, 4)
         if most is not None and len(text) > most:
             text = text[:most].rstrip()
         return text.ljust(least, "x")
-
-
-def _words(rng: random.Random, least: int, most: int) -> str:
-    start = rng.randrange(len(_WORDS))
-    count = rng.randint(least, most)
-    return " ".join(_WORDS[(start + i) % len(_WORDS)] for i in range(count))
-
-
-def _formatted(rng: random.Random, fmt: str) -> str:
-    date = f"20{rng.randint(20, 29)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-    time = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}"
-    word = rng.choice(_WORDS)
-    if fmt == "date-time":
-        return f"{date}T{time}Z"
-    if fmt == "date":
-        return date
-    if fmt == "time":
-        return f"{time}Z"
-    if fmt == "email":
-        return f"{word}@example.com"
-    if fmt == "uuid":
-        digits = f"{rng.getrandbits(128):032x}"
-        return f"{digits[:8]}-{digits[8:12]}-4{digits[13:16]}-a{digits[17:20]}-{digits[20:]}"
-    if fmt in ("uri", "url"):
-        return f"https://example.com/{word}"
-    if fmt == "hostname":
-        return f"{word}.example.com"
-    if fmt == "ipv4":
-        return ".".join(str(rng.randint(1, 254)) for _ in range(4))
-    return f"2001:db8::{rng.randint(1, 0xFFFF):x}"
-
-
-def _numeric(
-    rng: random.Random, node: Mapping[str, Any], path: str, *, integer: bool
-) -> int | float:
-    minimum: float | None = node.get("minimum")
-    maximum: float | None = node.get("maximum")
-    low_open = high_open = False
-    ex_low, ex_high = node.get("exclusiveMinimum"), node.get("exclusiveMaximum")
-    if ex_low is True:  # draft 4: a flag on `minimum`
-        low_open = True
-    elif (
-        isinstance(ex_low, int | float)
-        and ex_low is not False
-        and (minimum is None or ex_low >= minimum)
-    ):
-        minimum, low_open = ex_low, True
-    if ex_high is True:
-        high_open = True
-    elif (
-        isinstance(ex_high, int | float)
-        and ex_high is not False
-        and (maximum is None or ex_high <= maximum)
-    ):
-        maximum, high_open = ex_high, True
-    if minimum is None:
-        minimum = 0 if maximum is None else maximum - _DEFAULT_SPAN
-    low: float = minimum
-    high: float = low + _DEFAULT_SPAN if maximum is None else maximum
-    multiple: float | None = node.get("multipleOf")
-    if integer or multiple is not None:
-        step: float = 1 if multiple is None else multiple
-        if integer and step != int(step):  # a fractional step: search the integers
-            step = 1
-        first = math.floor(low / step) + 1 if low_open else math.ceil(low / step)
-        last = math.ceil(high / step) - 1 if high_open else math.floor(high / step)
-        if first > last:
-            raise SchemaError(f"{_where(path)}: no value lies within the bounds")
-        for _ in range(50):
-            k = rng.randint(first, last)
-            if integer or isinstance(step, int):
-                whole = int(k * step)
-                if multiple is None or whole / multiple == int(whole / multiple):
-                    return whole
-                continue
-            value = float(round(k * step, 12))
-            if int(value / step) == value / step and low <= value <= high:
-                return value
-        raise SchemaError(f"{_where(path)}: no value found for 'multipleOf' {multiple}")
-    if high < low or (high == low and (low_open or high_open)):
-        raise SchemaError(f"{_where(path)}: no value lies within the bounds")
-    drawn = round(rng.uniform(low, high), 2)
-    inside = low < drawn < high
-    on_closed_bound = (drawn == low and not low_open) or (drawn == high and not high_open)
-    return drawn if inside or on_closed_bound else (low + high) / 2
