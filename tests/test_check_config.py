@@ -529,7 +529,8 @@ def test_the_auth_line_says_what_the_config_does(
     assert expected in out.splitlines()
     code, out, err = run("--config", str(path), "--explain", env=env)
     assert code == 0, err
-    assert out.splitlines()[-2].endswith(f"worker(s); {expected}")
+    (server,) = [line for line in out.splitlines() if "worker(s); " in line]
+    assert server.endswith(f"worker(s); {expected}")
 
 
 def test_no_keys_beyond_loopback_fails_the_check(tmp_path: Path) -> None:

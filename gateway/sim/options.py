@@ -77,6 +77,7 @@ class Generation:
 
 
 def is_int(value: object) -> TypeGuard[int]:
+    """An integer, not a boolean (JSON's `true` is not 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -90,6 +91,7 @@ def refuse_set(request: dict[str, Any], keys: frozenset[str]) -> None:
 
 
 def flag(request: dict[str, Any], key: str) -> bool:
+    """A boolean parameter, false when absent or null."""
     value = request.get(key)
     if value is None:
         return False
@@ -99,6 +101,7 @@ def flag(request: dict[str, Any], key: str) -> bool:
 
 
 def read_stops(request: dict[str, Any], generation: Generation) -> None:
+    """`stop` (empty strings dropped), `include_stop_str_in_output`, `min_tokens`, `ignore_eos`."""
     stop = request.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -119,6 +122,7 @@ def read_stops(request: dict[str, Any], generation: Generation) -> None:
 
 
 def read_chat_logprobs(request: dict[str, Any], generation: Generation) -> None:
+    """Chat's `logprobs` (a flag) and `top_logprobs` (which needs it)."""
     wanted = flag(request, "logprobs")
     top = request.get("top_logprobs")
     if top is not None:
@@ -133,6 +137,7 @@ def read_chat_logprobs(request: dict[str, Any], generation: Generation) -> None:
 
 
 def read_tools(tools: object) -> tuple[Tool, ...]:
+    """Function tools, each with an object schema the generator can satisfy (checked now)."""
     if tools is None:
         return ()
     if not isinstance(tools, list):
@@ -179,6 +184,8 @@ def _check_schema(value: object, param: str) -> None:
 
 
 def read_tool_choice(request: dict[str, Any], generation: Generation) -> None:
+    """`tool_choice` (none, auto, required, a named function, allowed tools) and
+    `parallel_tool_calls`; read after the tools."""
     choice = request.get("tool_choice")
     names = {tool.name for tool in generation.tools}
     if not isinstance(request.get("parallel_tool_calls"), bool | None):
@@ -233,6 +240,7 @@ def read_tool_choice(request: dict[str, Any], generation: Generation) -> None:
 
 
 def read_response_format(request: dict[str, Any], generation: Generation) -> None:
+    """`response_format`: text, a JSON object, or JSON valid against a schema (checked now)."""
     response_format = request.get("response_format")
     if response_format is None:
         return

@@ -201,7 +201,7 @@ def read_chat(request: dict[str, Any], profile: SimProfile) -> ChatRequest:
     prompt_tokens = text_tokens(len(prompt))
     _check_context(profile.max_input_tokens, (prompt_tokens,), "messages")
     max_tokens = _max_tokens(request)
-    stream = _streamflag(request)
+    stream = _stream_flag(request)
     usage = _include_usage(request)
     seed = _seed(request)
     n = _n(request)
@@ -234,7 +234,7 @@ def read_completions(request: dict[str, Any], profile: SimProfile) -> Completion
     prompts = prompt_pieces(raw, "prompt")
     _check_context(profile.max_input_tokens, [t for _, t in prompts], "prompt")
     max_tokens = _max_tokens(request)
-    stream = _streamflag(request)
+    stream = _stream_flag(request)
     usage = _include_usage(request)
     seed = _seed(request)
     per_prompt = _n(request)
@@ -418,7 +418,7 @@ def _include_usage(request: dict[str, Any]) -> bool:
     return options.get("include_usage") is True
 
 
-def _streamflag(request: dict[str, Any]) -> bool:
+def _stream_flag(request: dict[str, Any]) -> bool:
     stream = request.get("stream", False)
     if stream is None:
         return False

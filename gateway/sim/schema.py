@@ -69,6 +69,13 @@ _SUBSCHEMA_MAPS: Final = ("properties", "$defs", "definitions")
 _SUBSCHEMAS: Final = ("items", "additionalProperties", "unevaluatedProperties")
 _LOWER_BOUNDS: Final = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _UPPER_BOUNDS: Final = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
+_TYPE_KEYWORDS: Final = (  # the keywords that say what an untyped schema describes
+    ("object", frozenset({"properties", "required", "additionalProperties", "minProperties"})),
+    ("array", frozenset({"items", "prefixItems", "minItems", "maxItems"})),
+    ("string", frozenset({"minLength", "maxLength", "pattern", "format"})),
+    ("number", frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})),
+    ("integer", frozenset({"multipleOf"})),
+)
 _SHALLOW_DEPTH: Final = 5  # from here on only what is required is generated
 _MAX_DEPTH: Final = 40  # a schema that requires deeper values is refused
 _MAX_COUNT: Final = 1000  # minItems / minProperties
@@ -109,7 +116,12 @@ def _merge(base: Mapping[str, Any], extra: Mapping[str, Any], path: str) -> dict
     keywords beside it): bounds tightened, types and enums intersected, subschemas nested."""
     base, extra = _within(extra, base, path), _within(base, extra, path)
     merged = dict(base)
+    if "prefixItems" in base or "prefixItems" in extra:  # position i: both schemas' item i
+        count = max(len(base.get("prefixItems") or ()), len(extra.get("prefixItems") or ()))
+        merged["prefixItems"] = [{"allOf": [_item(base, i), _item(extra, i)]} for i in range(count)]
     for key, value in extra.items():
+        if key == "prefixItems":
+            continue
         if key not in merged:
             merged[key] = value
             continue
@@ -147,6 +159,11 @@ def _merge(base: Mapping[str, Any], extra: Mapping[str, Any], path: str) -> dict
         else:
             raise SchemaError(f"{where(path)}: '{key}' differs between schemas that both apply")
     return merged
+
+
+def _item(schema: Mapping[str, Any], index: int) -> object:
+    prefix = schema.get("prefixItems") or ()
+    return prefix[index] if index < len(prefix) else schema.get("items", True)
 
 
 def _within(owner: Mapping[str, Any], other: Mapping[str, Any], path: str) -> Mapping[str, Any]:
@@ -393,37 +410,32 @@ class _Generator:
         return branches[0]
 
     def _kinds(self, node: Mapping[str, Any], depth: int) -> list[str]:
-        """The types to try, the drawn one first (scalars first past the shallow depth)."""
+        """The types to try, the drawn one first (scalars first past the shallow depth).
+
+        Without `type` any value is allowed: the one its keywords describe first, then values
+        those keywords do not constrain."""
         kind = node.get("type")
-        kinds: list[str]
         if isinstance(kind, str):
-            kinds = [kind]
-        elif isinstance(kind, list):
+            return [kind]
+        if isinstance(kind, list):
             kinds = list(kind)
-        elif {"properties", "required", "additionalProperties", "minProperties"} & node.keys():
-            kinds = ["object"]
-        elif {"items", "prefixItems", "minItems", "maxItems"} & node.keys():
-            kinds = ["array"]
-        elif {"minLength", "maxLength", "pattern", "format"} & node.keys():
-            kinds = ["string"]
-        elif {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & node.keys():
-            kinds = ["number"]
-        elif "multipleOf" in node:
-            kinds = ["integer"]
-        else:
-            kinds = ["string"]
-        if len(kinds) > 1:
-            if depth >= _SHALLOW_DEPTH:
-                kinds.sort(key=lambda k: k not in _SCALARS)
-            else:
-                self.rng.shuffle(kinds)
-        return kinds
+            if len(kinds) > 1:
+                if depth >= _SHALLOW_DEPTH:
+                    kinds.sort(key=lambda k: k not in _SCALARS)
+                else:
+                    self.rng.shuffle(kinds)
+            return kinds
+        keys = node.keys()
+        inferred = [k for k, words in _TYPE_KEYWORDS if keys & words]
+        return [*inferred, *(k for k in ("string", "boolean", "null") if k not in inferred)]
 
     def _object(self, node: Mapping[str, Any], path: str, depth: int) -> dict[str, Any]:
         properties = node.get("properties") or {}
         required = list(dict.fromkeys(node.get("required") or []))
         least = node.get("minProperties") or 0
         most = node.get("maxProperties")
+        if most is not None and least > most:
+            raise SchemaError(f"{where(path)}: 'minProperties' is greater than 'maxProperties'")
         if most is not None and len(required) > most:
             raise SchemaError(f"{where(path)}: more properties are required than maxProperties")
         extra = node.get("additionalProperties", node.get("unevaluatedProperties", True))
@@ -466,6 +478,8 @@ class _Generator:
         items = node.get("items", True)
         least = node.get("minItems") or 0
         most = node.get("maxItems")
+        if most is not None and least > most:
+            raise SchemaError(f"{where(path)}: 'minItems' is greater than 'maxItems'")
         if depth >= _SHALLOW_DEPTH:
             count = least
         else:
@@ -505,6 +519,8 @@ class _Generator:
     def _string(self, node: Mapping[str, Any], path: str) -> str:
         least = node.get("minLength") or 0
         most = node.get("maxLength")
+        if most is not None and least > most:
+            raise SchemaError(f"{where(path)}: 'minLength' is greater than 'maxLength'")
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             compiled = self.patterns.get(pattern)
