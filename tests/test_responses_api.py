@@ -14,8 +14,11 @@ import httpx
 import openai
 import pytest
 from openai.types.responses import (
+    FunctionToolParam,
     ResponseCompletedEvent,
     ResponseFailedEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
     ResponseFunctionToolCall,
     ResponseOutputMessage,
 )
@@ -27,10 +30,11 @@ from tests.test_anthropic import API_KEY, AnthropicUpstream, anthropic_upstream 
 
 pytestmark = pytest.mark.timeout(60)
 
-WEATHER_TOOL: dict[str, Any] = {
+WEATHER_TOOL: FunctionToolParam = {
     "type": "function",
     "name": "get_weather",
     "description": "The weather in a city.",
+    "strict": True,
     "parameters": {
         "type": "object",
         "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -169,7 +173,7 @@ async def test_function_tool_round_trip(
     first = await client.responses.create(
         model="claude-tool",
         input="Weather in Paris?",
-        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tools=[WEATHER_TOOL],
     )
     calls = [item for item in first.output if isinstance(item, ResponseFunctionToolCall)]
     (call,) = calls
@@ -179,7 +183,7 @@ async def test_function_tool_round_trip(
         model="claude-tool",
         previous_response_id=first.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
-        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tools=[WEATHER_TOOL],
     )
     assert second.output_text == AFTER_TOOL_TEXT
     sent = _fake(anthropic_upstream).requests[-1].body["messages"]
@@ -194,13 +198,13 @@ async def test_streamed_function_call_arguments(client: openai.AsyncOpenAI) -> N
     stream = await client.responses.create(
         model="claude-tool",
         input="Weather?",
-        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tools=[WEATHER_TOOL],
         stream=True,
     )
     events = [event async for event in stream]
-    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    deltas = [e.delta for e in events if isinstance(e, ResponseFunctionCallArgumentsDeltaEvent)]
     assert len(deltas) >= 2
-    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (done,) = [e for e in events if isinstance(e, ResponseFunctionCallArgumentsDoneEvent)]
     assert json.loads(done.arguments) == TOOL_INPUT == json.loads("".join(deltas))
     assert events[-1].type == "response.completed"
 
@@ -259,7 +263,7 @@ async def test_retrieve_and_delete(client: openai.AsyncOpenAI) -> None:
 
 async def test_store_false_stores_nothing(client: openai.AsyncOpenAI) -> None:
     created = await client.responses.create(model="chat", input="Forget this.", store=False)
-    assert created.store is False
+    assert created.model_extra is not None and created.model_extra["store"] is False
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(created.id)
     with pytest.raises(openai.BadRequestError) as raised:
@@ -416,16 +420,16 @@ async def test_a_ttft_budget_fails_a_slow_stream_over(gateway: Gateway) -> None:
     async with (
         run_gateway(settings) as gw,
         openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0) as sdk,
-    ):
-        async with sdk.responses.with_streaming_response.create(
+        sdk.responses.with_streaming_response.create(
             model="slow",
             input="Hi",
             stream=True,
             extra_headers={"x-tailguard-ttft-budget-ms": "100"},
-        ) as raw:
-            assert raw.headers["x-tailguard-route"] in ("ttft_failover", "hedge", "budget")
-            assert raw.headers["x-tailguard-deployment"] == "local/chat"
-            body = await raw.text()
+        ) as raw,
+    ):
+        assert raw.headers["x-tailguard-route"] in ("ttft_failover", "hedge", "budget")
+        assert raw.headers["x-tailguard-deployment"] == "local/chat"
+        body = await raw.text()
     assert body.count("event: response.output_text.delta") == 3
     assert "event: response.completed" in body
 
@@ -445,6 +449,7 @@ async def test_reasoning_and_cached_tokens_from_the_simulator() -> None:
     ):
         stream = await sdk.responses.create(model="think", input=long_input, stream=True)
         events = [event async for event in stream]
+        assert isinstance(events[-1], ResponseCompletedEvent)
         second = await sdk.responses.create(
             model="think", previous_response_id=events[-1].response.id, input="And p99?"
         )
