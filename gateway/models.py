@@ -48,6 +48,7 @@ class InBandError:
     type: str = "server_error"
     code: str | None = None
     status: int | None = None  # an HTTP status the upstream attached, if any
+    param: str | None = None  # the request field it names, if any
 
 
 @dataclass(slots=True)

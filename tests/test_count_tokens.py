@@ -28,6 +28,7 @@ from gateway.auth import new_key
 from gateway.config import load_settings
 from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import COUNT_TOKENS_PATH, AnthropicFake, count_words
+from tests.fakes.asgi import lifespan, read_body
 
 API_KEY = "sk-ant-api03-configured-upstream-key-0123456789"  # what the gateway is configured with
 CLIENT_TIMEOUT_S = 10.0
@@ -139,17 +140,9 @@ class ResponsesCounterFake:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                kind = (await receive())["type"]
-                await send({"type": kind + ".complete"})  # startup, then shutdown
-                if kind == "lifespan.shutdown":
-                    return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+            await lifespan(receive, send)
+            return
+        raw = await read_body(receive)
         body = orjson.loads(raw)
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         self.requests.append((scope["path"], headers, body))

@@ -343,7 +343,7 @@ def test_openai_body_garbage_raises(body: bytes) -> None:
         (
             b'{"error":{"message":"The model `x` does not exist.","type":"NotFoundError",'
             b'"param":"model","code":404}}',
-            InBandError("The model `x` does not exist.", "NotFoundError", None, 404),
+            InBandError("The model `x` does not exist.", "NotFoundError", None, 404, param="model"),
         ),
         (
             b'{"object":"error","message":"max_tokens must be at least 1","type":'

@@ -34,6 +34,7 @@ from gateway.providers.decode import (
 from gateway.sse import SSEParser
 from tests.conftest import gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake, count_words
+from tests.fakes.asgi import lifespan, read_body
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.test_metrics import requests_counted, scrape_when
 from tests.test_tracing import client_spans, traced_gateway
@@ -65,16 +66,9 @@ class CachingUpstream:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        raw = await read_body(receive)
         body = orjson.loads(raw)
         self.received.append((scope["path"], body))
         anthropic_wire = scope["path"] == "/v1/messages"

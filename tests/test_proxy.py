@@ -15,6 +15,7 @@ import pytest
 from gateway.api import create_app
 from gateway.latency import Sample
 from tests.conftest import Gateway, Upstream, gateway_settings, one_model, run_gateway, serve
+from tests.fakes.asgi import lifespan, read_body
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 
@@ -327,16 +328,9 @@ class Scripted:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         self.requests.append({k.decode(): v.decode() for k, v in scope["headers"]})
         self.bodies.append(body)
         headers = [(b"content-type", b"application/json")]

@@ -848,13 +848,14 @@ async def test_a_refusal_reaches_the_client_through_the_gateway(
     client: openai.AsyncOpenAI,
 ) -> None:
     """The simulator's 400 for a parameter it cannot honour reaches the client as a 400 with
-    its code and a message naming the parameter (never a silent success)."""
+    its code, its `param` and a message naming the parameter (never a silent success)."""
     with pytest.raises(openai.BadRequestError) as raised:
         await client.chat.completions.create(
             model="m", messages=HELLO, extra_body={"frobnicate": True}
         )
     assert raised.value.status_code == 400
     assert raised.value.code == "unsupported_parameter"
+    assert raised.value.param == "frobnicate"
     assert "frobnicate" in raised.value.message
 
 

@@ -243,6 +243,7 @@ def status_error(
         status=status,
         detail=detail,
         headers=headers,
+        param=scrub(parsed.param, secrets) if parsed and parsed.param else None,
         upstream_code=parsed.code if parsed else None,
     )
 

@@ -58,6 +58,9 @@ def _parse_object(data: bytes, what: str) -> dict[str, Any]:
     return parsed
 
 
+MAX_PARAM_CHARS = 128  # an upstream's `param` longer than this is cut
+
+
 def _int(value: object) -> int | None:
     return value if type(value) is int else None  # bool is not a token count
 
@@ -99,11 +102,13 @@ def _error_from_fields(fields: dict[str, Any], default_message: str) -> InBandEr
         status = status or code
         code = None
     message = fields.get("message")
+    param = fields.get("param")
     return InBandError(
         message=_str(message) or default_message,
         type=_str(fields.get("type")) or "server_error",
         code=_str(code),
         status=status,
+        param=param[:MAX_PARAM_CHARS] if isinstance(param, str) and param else None,
     )
 
 
