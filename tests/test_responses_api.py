@@ -23,7 +23,7 @@ from openai.types.responses import (
     ResponseOutputMessage,
 )
 
-from tests.conftest import Gateway, gateway_settings, run_gateway, serve
+from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AFTER_TOOL_TEXT, TOOL_INPUT, AnthropicFake
 from tests.fakes.responses_upstream import WORDS, ResponsesFake
 from tests.test_anthropic import API_KEY, AnthropicUpstream, anthropic_upstream  # noqa: F401 (a fixture)
@@ -465,3 +465,25 @@ async def test_reasoning_and_cached_tokens_from_the_simulator() -> None:
     assert second.usage is not None
     assert second.usage.input_tokens > usage.input_tokens
     assert second.usage.input_tokens_details.cached_tokens >= usage.input_tokens // 2
+
+
+async def test_a_vllm_server_serves_it_translated(upstream: Upstream) -> None:
+    """A vLLM-style server over HTTP gets a chat request (a bulk one, through the bulk gate)
+    and the answer is a Response with the server's usage."""
+    settings = gateway_settings(
+        {"vllm": {"type": "vllm", "base_url": upstream.base_url, "bulk_priority": 5}},
+        _models(("local", ["vllm/m"])),
+    )
+    async with (
+        run_gateway(settings) as gw,
+        openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0) as sdk,
+    ):
+        response = await sdk.responses.create(
+            model="local",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+            max_output_tokens=32,
+            extra_headers={"x-tailguard-priority": "bulk"},
+        )
+    assert response.status == "completed"
+    assert response.usage is not None and response.usage.output_tokens == 5
+    assert response.output_text
