@@ -153,6 +153,7 @@ class Runtime:
                     lambda: self.services.guards.hedges.counts,
                     lambda: self.services.guards.retries.denied,
                     lambda: self.tracing.dropped,
+                    lambda: self.tracing.decisions,
                 ),
                 BatchingCollector(lambda: _batching_state(self.services)),
                 LimitsCollector(lambda: _limits_state(self.limiter, self.admission)),

@@ -51,6 +51,8 @@ TG_OVERHEAD_MS: Final = "tailguard.overhead_ms"
 TG_SLO_TTFT_MET: Final = "tailguard.slo.ttft_met"
 TG_SLO_TOTAL_MET: Final = "tailguard.slo.total_met"
 TG_SLO_TPOT_MET: Final = "tailguard.slo.tpot_met"
+# Whether its TTFT or total exceeded its deployment's current p99 (absent: no trusted p99).
+TG_SLOW: Final = "tailguard.slow"
 
 # Operation names (gen_ai.operation.name) per gateway endpoint.
 OPERATIONS: Final = {
@@ -118,6 +120,11 @@ BULK_WAITING: Final = "tailguard_bulk_waiting"  # gauge: deployment
 BULK_REJECTED: Final = "tailguard_bulk_rejected"  # counter
 BATCH_SIZE_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 SPANS_DROPPED: Final = "tailguard_trace_spans_dropped"  # counter: the export queue was full
+TRACES: Final = "tailguard_traces"  # counter: decision (exported | dropped), reason
+# Why the tail sampler kept a trace, in the order it asks (dropped: `rest` or `overflow`).
+TRACE_KEEP_REASONS: Final = (
+    "error", "cut", "hedge", "fallback", "slo_miss", "slow", "sampled_parent", "share",
+)  # fmt: skip
 SLO_REQUESTS: Final = "tailguard_slo_requests"  # counter: model, deployment, slo, result
 WASTED_ATTEMPTS: Final = "tailguard_wasted_attempts"  # counter: model, deployment
 WASTED_PROMPT_TOKENS: Final = "tailguard_wasted_prompt_tokens"  # counter: model, deployment

@@ -549,7 +549,7 @@ async def test_cache_counts_on_the_attempt_span(upstreams: Upstreams) -> None:
     cache-creation attribute."""
     receiver = OTLPReceiver()
     async with serve(receiver) as collector:
-        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector}
+        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
         async with traced_gateway(upstreams.settings, environ) as url, clients(url) as c:
             await say(c, "claude", "req-span-1")
             await say(c, "gpt-reads", "req-span-2")

@@ -53,7 +53,7 @@ class Collector:
     @property
     def env(self) -> dict[str, str]:
         """The least configuration that turns tracing on, pointed at this receiver."""
-        return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.url}
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.url, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
 
 
 @dataclass
@@ -480,6 +480,7 @@ async def test_a_stuck_collector_drops_spans_and_counts_them(
         environ = {
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{blackhole.getsockname()[1]}",
             "OTEL_EXPORTER_OTLP_TIMEOUT": "1500",
+            "TAILGUARD_TRACES_TAIL_RATIO": "1",
             "OTEL_BSP_MAX_QUEUE_SIZE": "2",
             "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2",
         }
@@ -504,6 +505,7 @@ def test_exporter_timeout_is_in_milliseconds() -> None:
         {
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
             "OTEL_EXPORTER_OTLP_TIMEOUT": "500",
+            "TAILGUARD_TRACES_TAIL_RATIO": "1",
         }
     )
     trace = tracing.request(

@@ -198,6 +198,9 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
         if outcome.overhead_s is not None:
             attributes[sc.TG_OVERHEAD_MS] = round(outcome.overhead_s * 1000, 3)
         attributes.update({_SLO_ATTRIBUTES[name]: met for name, met in slo.items()})
+        slow = _slow(services, deployment, ttft_ms, (now - arrived) * 1000)
+        if slow is not None:
+            attributes[sc.TG_SLOW] = slow
         trace.end(status=outcome.status, attributes=attributes, error_type=outcome.error_type)
     if services.access.enabled:
         services.access.write(
@@ -226,6 +229,25 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
                 "tpot_met": slo.get("tpot"),
             }
         )
+
+
+def _slow(
+    services: Services, deployment: str, ttft_ms: float | None, total_ms: float
+) -> bool | None:
+    """Whether the request's TTFT or total (ms) exceeded its deployment's p99 in the current
+    snapshot (for tail sampling); None without a trusted p99 to compare with."""
+    stats = services.latency.snapshot.deployments.get(deployment) if deployment else None
+    if stats is None:
+        return None
+    judged = False
+    for value, metric in ((ttft_ms, stats.ttft), (total_ms, stats.total)):
+        p99 = metric.p99
+        if value is None or not metric.trusted or p99 is None:
+            continue
+        if value > p99:  # a p99 beyond every cut (inf) is never exceeded
+            return True
+        judged = True
+    return False if judged else None
 
 
 def _judge(outcome: RequestOutcome, decision: Decision, now: float) -> dict[str, bool]:

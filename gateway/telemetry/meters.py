@@ -328,7 +328,7 @@ class Meters:
 
 class GuardsCollector(Collector):
     """Counters kept elsewhere, read at scrape time: breaker openings per deployment, hedges
-    started/won/denied per model, failovers refused by the retry budget, spans dropped."""
+    started/won/denied per model, failovers refused by the retry budget, dropped spans, traces."""
 
     def __init__(
         self,
@@ -336,11 +336,13 @@ class GuardsCollector(Collector):
         hedges: Callable[[], Mapping[tuple[str, str], int]],
         retries_denied: Callable[[], int],
         spans_dropped: Callable[[], int],
+        traces: Callable[[], Mapping[tuple[str, str], int]],
     ) -> None:
         self._cooldowns = cooldowns
         self._hedges = hedges
         self._retries_denied = retries_denied
         self._spans_dropped = spans_dropped
+        self._traces = traces
 
     def collect(self) -> Iterator[Metric]:
         opened = CounterMetricFamily(
@@ -367,6 +369,14 @@ class GuardsCollector(Collector):
         )
         dropped.add_metric([], float(self._spans_dropped()))
         yield dropped
+        traces = CounterMetricFamily(
+            sc.TRACES,
+            "Traces the tail sampler exported or dropped, by reason.",
+            labels=["decision", "reason"],
+        )
+        for (decision, reason), count in sorted(self._traces().items()):
+            traces.add_metric([decision, reason], float(count))
+        yield traces
 
 
 class PromptTokensCollector(Collector):
@@ -568,7 +578,7 @@ def catalogue() -> list[MetricInfo]:
             *(m for m in vars(meters).values() if isinstance(m, MetricWrapperBase)),
             PromptTokensCollector(meters.prompt_tokens),
             LatencyStoreCollector(lambda: {"type": "memory", "state": "ok"}, dict),
-            GuardsCollector(dict, dict, int, int),
+            GuardsCollector(dict, dict, int, int, dict),
             BatchingCollector(lambda: BatchingState({}, {}, {}, {}, 0)),
             LimitsCollector(lambda: LimitsState({}, 0, {}, 0)),
             ExtraLoadCollector(lambda: snapshot, list),

@@ -2,8 +2,10 @@
 named and attributed per the GenAI semantic conventions (names in `gateway.semconv`).
 
 Configured from the standard `OTEL_*` environment variables and off unless an OTLP endpoint (or
-`OTEL_TRACES_EXPORTER`) is set. Spans are exported by a batch processor from its own thread with
-a bounded queue: an unreachable collector costs dropped spans (counted), never a slower request.
+`OTEL_TRACES_EXPORTER`) is set. Sampling is tail-aware unless `OTEL_TRACES_SAMPLER` is set: every
+span is recorded and `TailSampler` keeps the traces worth keeping (see `gateway.telemetry.tail`).
+Spans are exported by a batch processor from its own thread with a bounded queue: an unreachable
+collector costs dropped spans (counted), never a slower request.
 Nothing a client sent is recorded except, with content capture explicitly enabled, the prompt.
 """
 
@@ -19,13 +21,14 @@ import orjson
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import sampling as samplers
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway import semconv as sc
+from gateway.telemetry.tail import TailSampler
 
 logger = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -63,6 +66,10 @@ class _CountingProcessor(BatchSpanProcessor):
         super().on_end(span)
 
 
+class TailProcessor(TailSampler, SpanProcessor):
+    """The tail sampler as the SDK's span processor, in front of the batch processor."""
+
+
 class Tracing:
     """The app's tracer, or nothing: when `provider` is None every method is a cheap no-op."""
 
@@ -72,9 +79,11 @@ class Tracing:
         processor: _CountingProcessor | None = None,
         *,
         capture_content: bool = False,
+        tail: TailSampler | None = None,
     ) -> None:
         self.provider = provider
         self._processor = processor
+        self.tail = tail  # None: head sampling (or tracing off)
         self._tracer = provider.get_tracer("tailguard") if provider is not None else None
         self.capture_content = capture_content
 
@@ -85,6 +94,11 @@ class Tracing:
     @property
     def dropped(self) -> int:
         return self._processor.dropped if self._processor is not None else 0
+
+    @property
+    def decisions(self) -> Mapping[tuple[str, str], int]:
+        """Traces the tail sampler decided, per (decision, reason); empty when it is off."""
+        return dict(self.tail.counts) if self.tail is not None else {}
 
     def request(
         self,
@@ -224,7 +238,9 @@ class RequestTrace:
 
 def tracing_from_env(environ: Mapping[str, str]) -> Tracing:
     """Tracing as the standard `OTEL_*` variables describe it; disabled unless an OTLP endpoint
-    or `OTEL_TRACES_EXPORTER=otlp|console` is set, or when `OTEL_SDK_DISABLED=true`."""
+    or `OTEL_TRACES_EXPORTER=otlp|console` is set, or when `OTEL_SDK_DISABLED=true`. Without
+    `OTEL_TRACES_SAMPLER`, sampling is tail-aware, keeping `TAILGUARD_TRACES_TAIL_RATIO` (default
+    0.05) of the traces no rule keeps."""
     capture = _truthy(environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"))
     if _truthy(environ.get("OTEL_SDK_DISABLED")):
         return Tracing(capture_content=capture)
@@ -236,7 +252,10 @@ def tracing_from_env(environ: Mapping[str, str]) -> Tracing:
         return Tracing(capture_content=capture)
     exporter = _exporter(environ, exporter_name)
     resource = _resource(environ)
-    provider = TracerProvider(resource=resource, sampler=_sampler(environ))
+    # An explicit head sampler is the operator's choice; otherwise record all, decide at the end.
+    tail_on = not environ.get("OTEL_TRACES_SAMPLER", "").strip()
+    sampler = samplers.ALWAYS_ON if tail_on else _sampler(environ)
+    provider = TracerProvider(resource=resource, sampler=sampler)
     queue = max(1, int(_number(environ.get("OTEL_BSP_MAX_QUEUE_SIZE"), 2048)))
     processor = _CountingProcessor(
         exporter,
@@ -248,10 +267,15 @@ def tracing_from_env(environ: Mapping[str, str]) -> Tracing:
         ),
         export_timeout_millis=_number(environ.get("OTEL_BSP_EXPORT_TIMEOUT"), 30_000),
     )
-    provider.add_span_processor(processor)
+    tail = None
+    if tail_on:
+        tail = TailProcessor(
+            processor, ratio=_tail_ratio(environ.get("TAILGUARD_TRACES_TAIL_RATIO"))
+        )
+    provider.add_span_processor(tail if tail is not None else processor)
     # The batch processor logs one warning per dropped span; drops are counted in /metrics.
     logging.getLogger("opentelemetry.sdk._shared_internal").setLevel(logging.ERROR)
-    return Tracing(provider, processor, capture_content=capture)
+    return Tracing(provider, processor, capture_content=capture, tail=tail)
 
 
 def _exporter(environ: Mapping[str, str], name: str) -> SpanExporter:
@@ -344,6 +368,19 @@ def _sampler(environ: Mapping[str, str]) -> samplers.Sampler:
     if name not in choices:
         raise ValueError(f"OTEL_TRACES_SAMPLER: {name!r} is not one of {', '.join(choices)}")
     return choices[name]
+
+
+def _tail_ratio(value: str | None) -> float:
+    """The share of unremarkable traces kept: a number from 0 to 1, default 0.05."""
+    if value is None or not value.strip():
+        return 0.05
+    try:
+        ratio = float(value)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:  # NaN fails this too
+        raise ValueError(f"TAILGUARD_TRACES_TAIL_RATIO: {value[:40]!r} is not a number from 0 to 1")
+    return ratio
 
 
 def _number(value: str | None, default: float) -> float:
