@@ -140,7 +140,8 @@ class Runtime:
             await stack.enter_async_context(self.scraper)  # closed after every config's readers
             self.limiter = open_rate_limiter(settings)
             stack.push_async_callback(self.limiter.aclose)
-            self.tracing = tracing_from_env(self._environ)
+            # Off the loop: the SDK's resource detectors block while they run.
+            self.tracing = await asyncio.to_thread(tracing_from_env, self._environ)
             # Flushes what is queued, bounded by the exporter's timeout, off the event loop.
             stack.push_async_callback(asyncio.to_thread, self.tracing.shutdown)
             self.registry = make_registry(

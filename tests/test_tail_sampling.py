@@ -33,7 +33,9 @@ from tests.test_tracing import (
     collector,
     fallback,
     primary,
+    stream_chat,
     traced_gateway,
+    two,
 )
 
 __all__ = ["client", "collector", "fallback", "primary"]  # fixtures, used by name
@@ -141,6 +143,37 @@ async def test_only_remarkable_traces_are_exported_with_all_their_spans(
     assert counts[("dropped", "rest")] == 1
     assert counts[("exported", "share")] == 0
     assert sum(counts.values()) == 3
+
+
+async def test_a_hedged_request_is_exported_whole(
+    collector: Collector, primary: Sim, fallback: Sim, client: httpx.AsyncClient
+) -> None:
+    """With a share of 0, a hedged stream's trace is kept, the attempt that lost included, and
+    counted as a hedge."""
+    settings = two(
+        primary,
+        fallback,
+        "slow@prefill_base_ms=2000",
+        budget={"ttft_ms": 400},
+        on_ttft_miss="hedge",
+        hedge_max_fraction=1.0,
+    )
+    environ = {**collector.env, **FAST_EXPORT, "TAILGUARD_TRACES_TAIL_RATIO": "0"}
+    async with traced_gateway(settings, environ) as url:
+        resp, _ = await stream_chat(client, url)
+        assert resp.headers["x-tailguard-route"] == "hedge"
+        request_id = resp.headers["x-request-id"]
+
+        def attempts() -> list[Any]:
+            server = servers_by_request(collector).get(request_id)
+            spans = collector.receiver.of_kind("CLIENT")
+            return [s for s in spans if server is not None and s.parent_span_id == server.span_id]
+
+        async with asyncio.timeout(5):
+            await collector.receiver.wait_for(lambda _: len(attempts()) == 2)
+        metrics = (await client.get(url + "/metrics")).text
+    assert sorted(s.attributes[sc.TG_ATTEMPT_OUTCOME] for s in attempts()) == ["hedge_lost", "won"]
+    assert decisions(metrics)[("exported", "hedge")] == 1
 
 
 async def test_share_of_one_exports_every_trace(

@@ -164,8 +164,10 @@ def _add_routes(app: FastAPI) -> None:
     @app.get(
         "/v1/models/{model_id:path}",
         responses={404: {"description": "No model of that name for this key (`model_not_found`)."}},
+        openapi_extra={"parameters": [_path_parameter("model_id", "A configured model name.")]},
     )
-    async def retrieve_model(request: Request, model_id: str) -> Response:
+    async def retrieve_model(request: Request) -> Response:
+        model_id: str = request.path_params["model_id"]
         services = _services(request.scope)
         # Scoped to the key: a model it may not use is as unknown to it as one not configured.
         visible = visible_models(services, context_of(request.scope).principal)
@@ -179,17 +181,18 @@ def _add_routes(app: FastAPI) -> None:
         return Response(orjson.dumps(_model(services, model_id)), media_type="application/json")
 
     @app.get("/v1/responses/{response_id}", responses=_NOT_STORED)
-    async def retrieve_response(request: Request, response_id: str) -> Response:
-        return await _stored(request, get_response, response_id)
+    async def retrieve_response(request: Request) -> Response:
+        return await _stored(request, get_response)
 
     @app.delete("/v1/responses/{response_id}", responses=_NOT_STORED)
-    async def delete_stored_response(request: Request, response_id: str) -> Response:
-        return await _stored(request, delete_response, response_id)
+    async def delete_stored_response(request: Request) -> Response:
+        return await _stored(request, delete_response)
 
     @app.get("/v1/responses/{response_id}/input_items", responses=_NOT_STORED)
-    async def response_input_items(
-        request: Request, response_id: str, limit: str = "20", order: str = "desc"
-    ) -> Response:
+    async def response_input_items(request: Request) -> Response:
+        limit = request.query_params.get("limit", "20")
+        order = request.query_params.get("order", "desc")
+
         async def listed(store: ResponseStore, rid: str, owner: str) -> Response:
             if not limit.isdigit() or not 1 <= int(limit) <= 100:
                 raise InvalidRequestError(
@@ -201,7 +204,7 @@ def _add_routes(app: FastAPI) -> None:
                 )
             return await list_input_items(store, rid, owner, limit=int(limit), order=order)
 
-        return await _stored(request, listed, response_id)
+        return await _stored(request, listed)
 
     @app.get("/admin/latency")
     async def admin_latency(request: Request) -> Response:
@@ -275,6 +278,17 @@ def tune_gc() -> None:
     gc.set_threshold(20_000, 50, 100)
 
 
+def _path_parameter(name: str, description: str) -> dict[str, Any]:
+    """A path parameter as the document states it (handlers read it from the request)."""
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "description": description,
+        "schema": {"type": "string"},
+    }
+
+
 _NOT_STORED: dict[int | str, dict[str, Any]] = {
     404: {"description": "No stored response with that id for this key (`response_not_found`)."}
 }
@@ -283,9 +297,11 @@ _NOT_STORED: dict[int | str, dict[str, Any]] = {
 async def _stored(
     request: Request,
     action: Callable[[ResponseStore, str, str], Awaitable[Response]],
-    response_id: str,
 ) -> Response:
-    """A stored-response route: its key's responses only, errors in the OpenAI shape."""
+    """A stored-response route: its key's responses only, errors in the OpenAI shape. Route
+    parameters are read from the request: declared ones would make the framework import its
+    pydantic v1 shim, a stall on the event loop when an app is built."""
+    response_id: str = request.path_params["response_id"]
     services = _services(request.scope)
     owner = owner_of(context_of(request.scope).principal)
     try:

@@ -78,6 +78,7 @@ async def test_collector_down_costs_requests_nothing(
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
             "OTEL_EXPORTER_OTLP_TIMEOUT": "300",  # milliseconds
             "OTEL_BSP_SCHEDULE_DELAY": "20",  # export while the requests run
+            "TAILGUARD_TRACES_TAIL_RATIO": "1",  # every trace: exports are attempted
         }
         async with traced(settings, environ) as url:
             traced_durations = await served(client, url, 10)

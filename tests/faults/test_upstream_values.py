@@ -695,7 +695,8 @@ async def test_upstream_strings_in_spans_are_bounded() -> None:
         app = create_app(
             settings_for(up.url),
             recorder=MemoryRecorder(),
-            environ={"OTEL_EXPORTER_OTLP_ENDPOINT": collector},
+            # Every trace kept: the spans of the plain request are the ones checked.
+            environ={"OTEL_EXPORTER_OTLP_ENDPOINT": collector, "TAILGUARD_TRACES_TAIL_RATIO": "1"},
         )
         async with serve(app) as url, http_client(base_url=url + "/v1", timeout=10) as http:
             refused = await http.post(
