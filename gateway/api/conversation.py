@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from gateway.auth import Principal
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.models import Call
 from gateway.providers.translate.items import input_items, new_id, output_items_as_input
@@ -22,7 +23,7 @@ from gateway.responses_store import ResponseStore, StoredResponse
 _JSON = "application/json"
 
 
-def owner_of(principal: Any) -> str:
+def owner_of(principal: Principal | None) -> str:
     """Whose responses a caller sees: its key's name ("" when keys are off)."""
     return principal.name if principal is not None else ""
 

@@ -44,7 +44,7 @@ def _snippet(data: bytes) -> str:
     return text + "..." if len(data) > _SNIPPET_BYTES else text
 
 
-def _parse_object(data: bytes, what: str) -> dict[str, Any]:
+def parse_object(data: bytes, what: str) -> dict[str, Any]:
     try:
         parsed = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -181,7 +181,7 @@ class OpenAIStreamDecoder:
             return Chunk(raw=event.raw, done=True)
         if self._lazy and event.event is None and _plain_content(data):
             return Chunk(raw=event.raw, content=True, tokens=1)
-        obj = _parse_object(data, "stream event")
+        obj = parse_object(data, "stream event")
         try:
             return _openai_stream_chunk(event, obj)
         except (AttributeError, KeyError, TypeError):
@@ -247,7 +247,7 @@ def decode_openai_body(body: bytes) -> Chunk:
     Raises UpstreamProtocolError for a body that is not JSON (an HTML page from a load balancer)
     or not one of those responses.
     """
-    obj = _parse_object(body, "response body")
+    obj = parse_object(body, "response body")
     try:
         error = _openai_error_object(obj)
         if error is not None:
@@ -367,7 +367,7 @@ class AnthropicStreamDecoder:
         data = event.data
         if not data or event.event == "ping":
             return Chunk(raw=event.raw)
-        obj = _parse_object(data, "stream event")
+        obj = parse_object(data, "stream event")
         try:
             return self._classify(event.raw, obj)
         except (AttributeError, KeyError, TypeError):
@@ -428,7 +428,7 @@ def decode_anthropic_body(body: bytes) -> Chunk:
 
     Raises UpstreamProtocolError for a body that is not JSON or not a message or error object.
     """
-    obj = _parse_object(body, "response body")
+    obj = parse_object(body, "response body")
     try:
         kind = obj.get("type")
         if kind == "error":

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-import orjson
-
 from gateway.models import Chunk, InBandError, SSEEvent, Usage
 from gateway.numbers import count
-from gateway.providers.decode import UpstreamProtocolError
+from gateway.providers.decode import UpstreamProtocolError, parse_object
 
 _CONTENT: Final = frozenset(
     {
@@ -29,17 +27,7 @@ _CONTENT_ITEMS: Final = frozenset({"function_call", "web_search_call", "file_sea
 _DONE: Final = frozenset({"response.completed", "response.incomplete"})
 
 
-def _parse_object(data: bytes, what: str) -> dict[str, Any]:
-    try:
-        parsed = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        raise UpstreamProtocolError(f"{what} is not JSON") from None
-    if not isinstance(parsed, dict):
-        raise UpstreamProtocolError(f"{what} is not a JSON object")
-    return parsed
-
-
-def responses_usage(usage: object) -> Usage | None:
+def _usage(usage: object) -> Usage | None:
     if not isinstance(usage, dict):
         return None
     details = usage.get("input_tokens_details")
@@ -64,7 +52,7 @@ class ResponsesStreamDecoder:
     def decode(self, event: SSEEvent) -> Chunk:
         if not event.data:
             return Chunk(raw=event.raw)  # a keep-alive comment
-        data = _parse_object(event.data, "stream event")
+        data = parse_object(event.data, "stream event")
         kind = data.get("type") or event.event
         if kind in _CONTENT:
             return Chunk(raw=event.raw, data=data, content=bool(data.get("delta")), tokens=1)
@@ -75,7 +63,7 @@ class ResponsesStreamDecoder:
             return Chunk(raw=event.raw, data=data, content=content)
         if kind in _DONE:
             response = data.get("response")
-            usage = responses_usage(response.get("usage")) if isinstance(response, dict) else None
+            usage = _usage(response.get("usage")) if isinstance(response, dict) else None
             reason = "stop" if kind == "response.completed" else "length"
             return Chunk(raw=event.raw, data=data, usage=usage, finish_reason=reason, done=True)
         if kind == "response.failed":
@@ -89,7 +77,7 @@ class ResponsesStreamDecoder:
 
 def decode_responses_body(body: bytes) -> Chunk:
     """A non-streaming Response object (or an error body)."""
-    obj: dict[str, Any] = _parse_object(body, "response body")
+    obj: dict[str, Any] = parse_object(body, "response body")
     error = obj.get("error")
     if isinstance(error, dict) and obj.get("object") != "response":
         return Chunk(raw=body, data=obj, error=_error(error, "upstream error"))
@@ -98,7 +86,7 @@ def decode_responses_body(body: bytes) -> Chunk:
     if obj.get("status") == "failed":
         return Chunk(raw=body, data=obj, error=_error(error, "the response failed"))
     output = obj.get("output")
-    usage = responses_usage(obj.get("usage"))
+    usage = _usage(obj.get("usage"))
     known = usage.output_tokens if usage is not None else None
     content = isinstance(output, list) and len(output) > 0
     return Chunk(
