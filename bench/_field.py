@@ -57,11 +57,33 @@ from gateway.tools.stack import Stack, free_port, proc_cpu_s
 try:  # `python -m bench.overhead` or `python bench/overhead.py`
     from bench import _contenders as contenders
     from bench import _profile as profiling
+    from bench._field_report import (
+        LABELS,
+        feature_lines,
+        fmt,
+        overload_notes,
+        ratio,
+        ratios,
+        scaling_lines,
+        table,
+        targets,
+    )
     from bench._harness import ROOT, VENV_BIN, environment, sigterm_as_interrupt
     from bench._load import LoadSpec, run_load
 except ImportError:
     import _contenders as contenders  # type: ignore[no-redef,unused-ignore,import-not-found]
     import _profile as profiling  # type: ignore[no-redef,unused-ignore,import-not-found]
+    from _field_report import (  # type: ignore[no-redef,unused-ignore,import-not-found]
+        LABELS,
+        feature_lines,
+        fmt,
+        overload_notes,
+        ratio,
+        ratios,
+        scaling_lines,
+        table,
+        targets,
+    )
     from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         ROOT,
         VENV_BIN,
@@ -77,14 +99,6 @@ PROMPT: Final = "Explain in one sentence why tail latency matters for interactiv
 FIELD_RATES: Final = (20.0, 100.0)
 MIN_OPEN_REQUESTS: Final = 300  # per open-loop window: p99 then rests on the 3 slowest, not 1
 PROXIES: Final = ("tailguard", "litellm", "nginx", "reference")
-LABELS: Final = {
-    "direct": "direct",
-    "tailguard": "Tailguard",
-    "litellm": "LiteLLM",
-    "nginx": "nginx",
-    "reference": "bare proxy",
-}
-TTFT_P99_LIMIT_MS: Final = 2.0
 ROLES: Final = {  # path -> its role in the Stack (and so its CPU pinning)
     "tailguard": "gateway",
     "litellm": "litellm",
@@ -347,183 +361,6 @@ def summarize(
     return summary
 
 
-# --- targets and the report ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    label: str
-    value: float | None  # None: not measured (the comparison was skipped)
-    limit: float
-    at_least: bool = False  # the value must be >= limit (else <=)
-    unit: str = "x"
-    detail: str = ""
-
-    def verdict(self) -> str:
-        if self.value is None:
-            return "SKIP"
-        ok = self.value >= self.limit if self.at_least else self.value <= self.limit
-        return "PASS" if ok else "MISS"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "target": self.label,
-            "value": self.value,
-            "limit": self.limit,
-            "at_least": self.at_least,
-            "verdict": self.verdict(),
-            "detail": self.detail,
-        }
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def targets(opts: FieldOptions, summary: dict[str, dict[str, Any]]) -> list[Target]:
-    tg, ll = summary["tailguard"], summary.get("litellm")
-
-    def versus(label: str, key: str, unit: str, limit: float, at_least: bool = False) -> Target:
-        mine = tg.get(key)
-        theirs = ll.get(key) if ll is not None else None
-        if ll is None:
-            detail = "LiteLLM not measured"
-        else:
-            detail = f"Tailguard {fmt(mine, 3)} vs LiteLLM {fmt(theirs, 3)} {unit}"
-        return Target(label, ratio(mine, theirs), limit, at_least=at_least, detail=detail)
-
-    found = [
-        versus("CPU per non-streaming request <= 1/10 of LiteLLM's", "cpu_ms", "ms", 0.1),
-        versus(
-            f"CPU per {opts.tokens}-chunk stream <= 1/10 of LiteLLM's", "stream_cpu_ms", "ms", 0.1
-        ),
-        versus("single-worker throughput >= 10x LiteLLM's", "throughput_rps", "req/s", 10.0, True),
-    ]
-    found += [
-        versus(
-            f"added p99 at {rate:g} RPS <= 1/10 of LiteLLM's",
-            f"open{rate:g}_added_p99_ms",
-            "ms",
-            0.1,
-        )
-        for rate in opts.rates
-    ]
-    found.append(
-        Target(
-            f"streaming TTFT overhead p99 <= {TTFT_P99_LIMIT_MS:g} ms",
-            tg.get("ttft_added_p99_ms"),
-            TTFT_P99_LIMIT_MS,
-            unit="ms",
-            detail=f"at {opts.stream_rate:g} streams/s, vs direct",
-        )
-    )
-    return found
-
-
-def fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def table(opts: FieldOptions, summary: dict[str, dict[str, Any]], paths: list[str]) -> list[str]:
-    conc = opts.concurrency
-    rows: list[tuple[str, str, int]] = [
-        (f"throughput, non-streaming, c={conc} (req/s)", "throughput_rps", 0),
-        (f"throughput, zero-delay streams, c={conc} (streams/s)", "stream_throughput_rps", 0),
-        ("proxy CPU per non-streaming request, saturated (ms)", "cpu_ms", 3),
-        (f"proxy CPU per {opts.tokens}-chunk stream, saturated (ms)", "stream_cpu_ms", 3),
-        (
-            f"proxy CPU per paced stream ({opts.paced_tps:g} tok/s, c={conc}) (ms)",
-            "paced_cpu_ms",
-            3,
-        ),
-    ]
-    for rate in opts.rates:
-        rows += [
-            (
-                f"latency p50 / p99 at {rate:g} RPS (ms)",
-                f"open{rate:g}_p50_ms|open{rate:g}_p99_ms",
-                2,
-            ),
-            (
-                f"added p50 / p99 at {rate:g} RPS (ms)",
-                f"open{rate:g}_added_p50_ms|open{rate:g}_added_p99_ms",
-                2,
-            ),
-            (f"proxy CPU per request at {rate:g} RPS (ms)", f"open{rate:g}_cpu_ms", 3),
-        ]
-    srate = f"{opts.stream_rate:g}"
-    rows += [
-        (f"TTFT p50 / p99 at {srate} streams/s (ms)", "ttft_p50_ms|ttft_p99_ms", 2),
-        (
-            f"added TTFT p50 / p99 at {srate} streams/s (ms)",
-            "ttft_added_p50_ms|ttft_added_p99_ms",
-            2,
-        ),
-        ("errors", "errors", 0),
-    ]
-    header = ["", *(LABELS[p] for p in paths)]
-    lines = [header]
-    for label, keys, digits in rows:
-        cells = [label]
-        for path in paths:
-            got = [summary[path].get(k) for k in keys.split("|")]
-            cells.append(
-                " / ".join(fmt(v, digits) for v in got) if any(v is not None for v in got) else ""
-            )
-        lines.append(cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for line in lines:
-        out.append(
-            "  ".join(
-                [line[0].ljust(widths[0])]
-                + [c.rjust(w) for c, w in zip(line[1:], widths[1:], strict=True)]
-            )
-        )
-    return out
-
-
-def ratios(summary: dict[str, dict[str, Any]], opts: FieldOptions) -> list[str]:
-    tg = summary["tailguard"]
-    keys = [
-        ("CPU/request", "cpu_ms"),
-        ("CPU/stream", "stream_cpu_ms"),
-        ("throughput", "throughput_rps"),
-    ]
-    keys += [(f"added p99 @{r:g}", f"open{r:g}_added_p99_ms") for r in opts.rates]
-    keys.append(("added TTFT p99", "ttft_added_p99_ms"))
-    out = []
-    for other in ("litellm", "nginx", "reference"):
-        if other not in summary:
-            continue
-        parts = [
-            f"{name} {fmt(ratio(tg.get(key), summary[other].get(key)), 3)}" for name, key in keys
-        ]
-        out.append(f"  Tailguard / {LABELS[other]}: " + ", ".join(parts))
-    return out
-
-
-def overload_notes(opts: FieldOptions, summary: dict[str, dict[str, Any]]) -> list[str]:
-    """Open-loop rates above what a proxy can serve at all: its latencies there are queueing."""
-    notes = []
-    for path, s in summary.items():
-        capacity, streams = s.get("throughput_rps"), s.get("stream_throughput_rps")
-        for rate in opts.rates:
-            if capacity is not None and rate > capacity:
-                notes.append(
-                    f"{LABELS[path]} serves at most {capacity:.0f} req/s: at {rate:g} RPS it is "
-                    "overloaded and its latency is mostly queueing"
-                )
-        if streams is not None and opts.stream_rate > streams:
-            notes.append(
-                f"{LABELS[path]} serves at most {streams:.0f} streams/s: at "
-                f"{opts.stream_rate:g} streams/s its TTFT is mostly queueing"
-            )
-    return notes
-
-
 # --- sharing through Redis and worker scaling ----------------------------------------------------
 
 
@@ -606,25 +443,6 @@ def scaling(runner: Runner, upstream_port: int, otlp_port: int) -> dict[str, Any
     return found
 
 
-def scaling_lines(opts: FieldOptions, found: dict[str, Any]) -> list[str]:
-    many = found[str(opts.workers)]
-    lines = [
-        f"  1 worker : {found['1']['throughput_rps']:.0f} req/s "
-        f"(CPU {fmt(found['1']['cpu_ms'], 3)} ms/req)",
-        f"  {opts.workers} workers: {many['throughput_rps']:.0f} req/s "
-        f"(CPU {fmt(many['cpu_ms'], 3)} ms/req), speedup {fmt(found['speedup'])}x",
-    ]
-    sent = many["requests_sent"]
-    for i, view in enumerate(many["workers_seen"], 1):
-        lines.append(
-            f"  worker {i}: served {view['local_requests']} itself; /admin/latency counts "
-            f"{view['shared_requests']} of the {sent} requests sent"
-        )
-    verdict = "verified" if found["sharing_verified"] else "NOT verified"
-    lines.append(f"  statistics shared through Redis: {verdict}")
-    return lines
-
-
 # --- profiling -----------------------------------------------------------------------------------
 
 
@@ -696,19 +514,6 @@ def feature_costs(runner: Runner, upstream_port: int, otlp_port: int) -> list[di
         thr = median([r["throughput_rps"] for r in runs[path]])
         found.append({"variant": label, "cpu_ms": cpu, "throughput_rps": thr})
     return found
-
-
-def feature_lines(found: list[dict[str, Any]]) -> list[str]:
-    lines, above = [], None
-    for row in found:
-        cpu = row["cpu_ms"]
-        step = "" if above is None or cpu is None else f"  ({cpu - above:+.3f} ms)"
-        lines.append(
-            f"  {row['variant']:<42} {fmt(cpu, 3)} ms/req  {fmt(row['throughput_rps'], 0)} req/s"
-            + step
-        )
-        above = cpu
-    return lines
 
 
 # --- main ----------------------------------------------------------------------------------------
