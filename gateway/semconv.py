@@ -121,7 +121,7 @@ BULK_REJECTED: Final = "tailguard_bulk_rejected"  # counter
 BATCH_SIZE_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 SPANS_DROPPED: Final = "tailguard_trace_spans_dropped"  # counter: the export queue was full
 TRACES: Final = "tailguard_traces"  # counter: decision (exported | dropped), reason
-# Why the tail sampler kept a trace, in the order it asks (dropped: `rest` or `overflow`).
+# Why the tail sampler kept a trace, in the order it asks (dropped: `rest`).
 TRACE_KEEP_REASONS: Final = (
     "error", "cut", "hedge", "fallback", "slo_miss", "slow", "sampled_parent", "share",
 )  # fmt: skip

@@ -1,6 +1,6 @@
 """Tail-aware trace sampling: a real gateway exporting OTLP/HTTP to a real receiver on loopback.
 
-Spans of a request are held until its SERVER span ends and then exported together or dropped.
+A request's spans are recorded until its SERVER span ends and then exported together or dropped.
 The batch processor exports in the order spans reach it, so a dropped trace is shown by sending
 a kept one after it and waiting for that one to arrive (a short `OTEL_BSP_SCHEDULE_DELAY` makes
 it arrive while the gateway still runs, so `/metrics` can be read).
@@ -14,16 +14,15 @@ from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, set_span_in_context
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import semconv as sc
 from gateway.config import Settings
 from gateway.telemetry import tracing_from_env
-from gateway.telemetry.tracing import TailProcessor
+from gateway.telemetry.tail import TailSampler, TailTrace
 from tests.conftest import free_port, gateway_settings
 from tests.test_tracing import (
     CHAT,
@@ -243,56 +242,87 @@ def test_a_bad_ratio_is_refused_naming_the_variable(value: str) -> None:
         tracing_from_env(environ)
 
 
-# --- the processor on its own, with the SDK's in-memory exporter ---------------------------------
+# --- the sampler on its own, with the SDK's in-memory exporter ---------------------------------
 
 
-def sampler(**bounds: int) -> tuple[TracerProvider, TailProcessor, InMemorySpanExporter]:
+def sampler(ratio: float = 0.0) -> tuple[TailSampler, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    tail = TailProcessor(SimpleSpanProcessor(exporter), ratio=0.0, **bounds)
-    provider = TracerProvider()
-    provider.add_span_processor(tail)
-    return provider, tail, exporter
+    return TailSampler(SimpleSpanProcessor(exporter), ratio=ratio), exporter
+
+
+def request(tail: TailSampler, parent: SpanContext | None = None) -> TailTrace:
+    return tail.request("POST /v1/chat/completions", parent=parent, start_ns=1, attributes={})
 
 
 def test_slo_miss_and_slow_keep_a_trace_and_a_late_attempt_follows_it() -> None:
     """A missed budget and a request slower than its deployment's p99 are kept; an attempt span
     that ends after its request's span follows the request's decision."""
-    provider, tail, exporter = sampler()
-    tracer = provider.get_tracer("test")
+    tail, exporter = sampler()
     cases: list[dict[str, Any]] = [
         {sc.TG_ROUTE: "primary", sc.TG_SLO_TTFT_MET: False},
         {sc.TG_ROUTE: "primary", sc.TG_SLOW: True},
         {sc.TG_ROUTE: "primary", sc.TG_SLO_TTFT_MET: True, sc.TG_SLOW: False},
     ]
     for attributes in cases:
-        root = tracer.start_span("POST", kind=SpanKind.SERVER)
-        late = tracer.start_span("chat", context=set_span_in_context(root), kind=SpanKind.CLIENT)
-        root.set_attributes({**attributes, sc.HTTP_RESPONSE_STATUS_CODE: 200})
-        root.end()
-        late.end()
+        trace = request(tail)
+        late, _ = trace.attempt(
+            operation="chat", model="m", provider="openai", address=None, hedge=False
+        )
+        trace.end(status=200, attributes=attributes, error_type=None)
+        trace.end_attempt(late, outcome="cancelled")
     names = [
         (s.name, dict(s.attributes or {}).get(sc.TG_SLOW)) for s in exporter.get_finished_spans()
     ]
-    assert names == [("POST", None), ("chat", None), ("POST", True), ("chat", None)]
+    assert names == [
+        ("POST /v1/chat/completions", None),
+        ("chat m", None),
+        ("POST /v1/chat/completions", True),
+        ("chat m", None),
+    ]
     assert tail.counts[("exported", "slo_miss")] == 1
     assert tail.counts[("exported", "slow")] == 1
     assert tail.counts[("dropped", "rest")] == 1
-    assert tail.held() == (0, 0)
 
 
-def test_overflow_drops_the_oldest_held_trace_and_counts_it() -> None:
-    """At most `max_traces` traces are held: a third request's attempt evicts the oldest, whose
-    spans (its root too, when it ends) are then dropped and counted once as `overflow`."""
-    provider, tail, exporter = sampler(max_traces=2, max_spans=10)
-    tracer = provider.get_tracer("test")
-    roots = [tracer.start_span("POST", kind=SpanKind.SERVER) for _ in range(3)]
-    for root in roots:
-        tracer.start_span("chat", context=set_span_in_context(root)).end()
-    assert tail.held() == (2, 2)
-    for root in roots:
-        root.set_attribute(sc.HTTP_RESPONSE_STATUS_CODE, 500)  # kept, had it been held
-        root.end()
-    assert len(exporter.get_finished_spans()) == 4  # two whole traces; nothing of the first
-    assert tail.counts[("dropped", "overflow")] == 1
-    assert tail.counts[("exported", "error")] == 2
-    assert tail.held() == (0, 0)
+def test_a_kept_trace_is_one_tree_under_the_client_parent() -> None:
+    """The exported spans share one trace id (the client's), the request's span is the child of
+    the client's span and each attempt the child of the request's; the traceparent sent
+    upstream names the attempt's span. A failed attempt has an error status."""
+    tail, exporter = sampler()
+    client = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1))
+    trace = request(tail, client)
+    first, traceparent = trace.attempt(
+        operation="chat", model="m", provider="openai", address="up:80", hedge=False
+    )
+    trace.end_attempt(first, outcome="error:status_500", error_type="status_500")
+    second, _ = trace.attempt(
+        operation="chat", model="m", provider="openai", address=None, hedge=False
+    )
+    trace.end_attempt(second, outcome="won", ttft_s=0.0123, input_tokens=7, output_tokens=3)
+    trace.end(status=200, attributes={sc.TG_ROUTE: "failover", sc.TG_ATTEMPTS: 2}, error_type=None)
+    spans = exporter.get_finished_spans()
+    root = next(s for s in spans if s.kind == SpanKind.SERVER)
+    attempts = [s for s in spans if s.kind == SpanKind.CLIENT]
+    assert trace.trace_id == format(0xABC, "032x")
+    assert {s.context.trace_id for s in spans if s.context is not None} == {0xABC}
+    assert root.parent is not None and root.parent.span_id == 0xDEF
+    assert root.context is not None
+    assert all(a.parent is not None and a.parent.span_id == root.context.span_id for a in attempts)
+    assert traceparent == f"00-{0xABC:032x}-{first.span_id:016x}-01"
+    assert [a.status.status_code.name for a in attempts] == ["ERROR", "UNSET"]
+    assert dict(attempts[1].attributes or {})[sc.TG_TTFT_MS] == 12.3
+    assert tail.counts[("exported", "fallback")] == 1
+
+
+def test_a_dropped_trace_reaches_no_processor() -> None:
+    """An unremarkable request at a share of 0 gives the batch processor nothing at all, and an
+    attempt that ends later does not either."""
+    tail, exporter = sampler(ratio=0.0)
+    trace = request(tail)
+    span, _ = trace.attempt(
+        operation="chat", model="m", provider="openai", address=None, hedge=False
+    )
+    trace.end(status=200, attributes={sc.TG_ROUTE: "primary"}, error_type=None)
+    trace.end_attempt(span, outcome="won")
+    assert exporter.get_finished_spans() == ()
+    assert tail.counts[("dropped", "rest")] == 1

@@ -1,210 +1,287 @@
 """Tail-aware trace sampling: keep whole traces of the requests worth looking at.
 
 Head sampling decides when a request arrives, before anyone knows whether it will fail, fall
-back, hedge or run slow: exactly the requests a tail-latency gateway exists for. `TailSampler`
-sits in front of the batch processor instead. It holds the ended spans of each trace (bounded)
-until the trace's local root span (the request's SERVER span) ends, reads that span's final
-attributes, then forwards the whole trace to the batch processor or drops it.
+back, hedge or run slow: exactly the requests a tail-latency gateway exists for. Here every
+request records its spans, and the decision is made when the request ends, from how it ended.
+
+Recording is cheap on purpose: a `TailTrace` keeps its spans as plain records (a name, ids,
+times, an attribute dict) on the request itself, and only a kept trace becomes SDK spans,
+handed to the batch processor. A dropped trace, most of them, costs a few small objects: no
+SDK span, no lock, no attribute checks, no processor call.
 
 Kept, by the first reason that applies: an error (`error`), a stream cut after a 200 (`cut`), a
 hedge (`hedge`), any other route than `primary` or more than one attempt (`fallback`), a budget
 missed (`slo_miss`), slower than the deployment's p99 (`slow`), a client `traceparent` with the
 sampled flag (`sampled_parent`), else a fixed share of the rest chosen by the trace id (`share`),
-so every replica that sees a trace decides alike. Everything else is dropped (`rest`); spans
-beyond the bounds drop their trace (`overflow`).
+so every replica that sees a trace decides alike. Everything else is dropped (`rest`).
 
 A trace here is one request's part of it: a client may send many requests in one trace, and
-each is decided on its own. Spans are grouped under their parent, so the request's attempts
-(direct children of its SERVER span, the only spans the gateway makes below it) travel with it.
-
-The policy needs no SDK: spans are read through the small protocols below, and
-`gateway.telemetry.tracing` makes the sampler the SDK's span processor.
+each is decided on its own. An attempt that ends after its request did (a hedge's loser being
+closed) follows the request's decision.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Mapping
-from enum import Enum
+import random
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
+
+import orjson
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from gateway import semconv as sc
 
 EXPORTED: Final = "exported"
 DROPPED: Final = "dropped"
 # Every (decision, reason) pair the sampler counts: a fixed vocabulary for /metrics labels.
-DECISIONS: Final = (
-    *((EXPORTED, reason) for reason in sc.TRACE_KEEP_REASONS),
-    (DROPPED, "rest"),
-    (DROPPED, "overflow"),
-)
-
-
-class SpanIds(Protocol):
-    """What is read of a span context (the SDK's `SpanContext`)."""
-
-    @property
-    def trace_id(self) -> int: ...
-    @property
-    def span_id(self) -> int: ...
-    @property
-    def is_remote(self) -> bool: ...
-    @property
-    def trace_flags(self) -> Flags: ...
-
-
-class Flags(Protocol):
-    @property
-    def sampled(self) -> bool: ...
-
-
-class SpanStatus(Protocol):
-    @property
-    def status_code(self) -> Enum: ...
-
-
-class EndedSpan(Protocol):
-    """What is read of an ended span (the SDK's `EndedSpan`)."""
-
-    @property
-    def context(self) -> SpanIds | None: ...
-    @property
-    def parent(self) -> SpanIds | None: ...
-    @property
-    def attributes(self) -> Mapping[str, Any] | None: ...
-    @property
-    def status(self) -> SpanStatus: ...
-
-
-class Downstream(Protocol):
-    """Where kept spans go: the batch processor."""
-
-    def on_start(self, span: Any, parent_context: Any = None) -> None: ...
-    def on_end(self, span: Any) -> None: ...
-    def shutdown(self) -> None: ...
-    def force_flush(self, timeout_millis: int = 30000) -> bool: ...
-
+DECISIONS: Final = (*((EXPORTED, reason) for reason in sc.TRACE_KEEP_REASONS), (DROPPED, "rest"))
 
 _SLO_MET = (sc.TG_SLO_TTFT_MET, sc.TG_SLO_TOTAL_MET, sc.TG_SLO_TPOT_MET)
 _LOW_64 = (1 << 64) - 1
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_ERROR = Status(StatusCode.ERROR)
+_UNSET = Status(StatusCode.UNSET)
 
 
-def keep_reason(root: EndedSpan, children: list[EndedSpan], ratio: float) -> str | None:
-    """Why the trace whose local root is `root` should be exported, or None to drop it."""
-    attributes: Mapping[str, Any] = root.attributes or {}
+def keep_reason(
+    attributes: Mapping[str, Any],
+    *,
+    failed: bool,
+    attempts: Iterable[Mapping[str, Any]],
+    sampled_parent: bool,
+    trace_id: int,
+    ratio: float,
+) -> str | None:
+    """Why a request's trace should be exported, or None to drop it: `attributes` are its
+    SERVER span's final ones, `failed` its error status, `attempts` its attempt spans'."""
     status = attributes.get(sc.HTTP_RESPONSE_STATUS_CODE)
-    failed = root.status.status_code.name == "ERROR" or sc.ERROR_TYPE in attributes
+    failed = failed or sc.ERROR_TYPE in attributes
     if failed and isinstance(status, int) and status < 400:
         return "cut"  # the status was spent before the stream failed
     if failed or (isinstance(status, int) and status >= 400):
         return "error"
     route = attributes.get(sc.TG_ROUTE)
-    if route == "hedge" or any((s.attributes or {}).get(sc.TG_ATTEMPT_HEDGE) for s in children):
+    if route == "hedge" or any(a.get(sc.TG_ATTEMPT_HEDGE) for a in attempts):
         return "hedge"
-    attempts = attributes.get(sc.TG_ATTEMPTS)
-    if (route and route != "primary") or (isinstance(attempts, int) and attempts > 1):
+    count = attributes.get(sc.TG_ATTEMPTS)
+    if (route and route != "primary") or (isinstance(count, int) and count > 1):
         return "fallback"
     if any(attributes.get(name) is False for name in _SLO_MET):
         return "slo_miss"
     if attributes.get(sc.TG_SLOW) is True:
         return "slow"
-    parent = root.parent
-    if parent is not None and parent.is_remote and parent.trace_flags.sampled:
+    if sampled_parent:
         return "sampled_parent"
-    trace_id = root.context.trace_id if root.context is not None else 0
     # As TraceIdRatioBased: the low 64 bits of the id, which W3C asks to be random.
     if (trace_id & _LOW_64) < round(ratio * (1 << 64)):
         return "share"
     return None
 
 
+class Downstream(Protocol):
+    """Where kept spans go: the batch processor."""
+
+    def on_end(self, span: ReadableSpan) -> None: ...
+
+
 class TailSampler:
-    """Holds each trace's ended spans until its local root ends, then forwards the trace to
-    `downstream` (the batch processor) or drops it. At most `max_traces` traces and `max_spans`
-    spans are held: beyond either, the oldest held trace is dropped (`overflow`). `counts` has
-    the traces decided per (decision, reason); it is read at scrape time."""
+    """The decisions and where kept traces go. `counts` has the traces decided per (decision,
+    reason); it is read at scrape time. Used from the event loop only."""
 
     def __init__(
         self,
         downstream: Downstream,
         *,
         ratio: float,
-        max_traces: int = 4096,
-        max_spans: int = 16384,
+        resource: Resource | None = None,
+        capture_content: bool = False,
     ) -> None:
         self.downstream = downstream
         self.ratio = min(1.0, max(0.0, ratio))
-        self.max_traces = max(1, max_traces)
-        self.max_spans = max(1, max_spans)
+        self.resource = resource if resource is not None else Resource.get_empty()
+        self.scope = InstrumentationScope("tailguard")
+        self.capture_content = capture_content
         self.counts: dict[tuple[str, str], int] = dict.fromkeys(DECISIONS, 0)
-        self._lock = threading.Lock()  # spans may end on any thread
-        # Keyed by (trace id, local root's span id); oldest first.
-        self._held: OrderedDict[tuple[int, int], list[EndedSpan]] = OrderedDict()
-        self._spans = 0
-        # Recent decisions, for a span that ends after its root did (bounded like `_held`).
-        self._decided: OrderedDict[tuple[int, int], bool] = OrderedDict()
 
-    def on_start(self, span: Any, parent_context: Any = None) -> None:
-        self.downstream.on_start(span, parent_context=parent_context)
+    def request(
+        self, name: str, *, parent: SpanContext | None, start_ns: int, attributes: Mapping[str, Any]
+    ) -> TailTrace:
+        return TailTrace(self, name, parent, start_ns, attributes)
 
-    def on_end(self, span: EndedSpan) -> None:
-        context = span.context
-        if context is None:
-            return
-        parent = span.parent
-        root = parent is None or parent.is_remote
-        key = (context.trace_id, context.span_id if root or parent is None else parent.span_id)
-        with self._lock:
-            decided = self._decided.get(key)
-            if decided is not None:  # a straggler: its trace was already decided
-                forward = [span] if decided else []
-            elif root:
-                children = self._held.pop(key, [])
-                self._spans -= len(children)
-                reason = keep_reason(span, children, self.ratio)
-                self.counts[(EXPORTED, reason) if reason else (DROPPED, "rest")] += 1
-                self._remember(key, reason is not None)
-                forward = [*children, span] if reason else []
-            else:
-                self._hold(key, span)
-                forward = []
-        for ended in forward:  # outside the lock: the batch processor takes its own
-            self.downstream.on_end(ended)
+    def export(self, trace: TailTrace, records: Sequence[Record]) -> None:
+        parent = trace.parent
+        root_context = trace.root.context(trace)
+        for record in records:
+            self.downstream.on_end(
+                ReadableSpan(
+                    record.name,
+                    context=record.context(trace),
+                    parent=parent if record is trace.root else root_context,
+                    resource=self.resource,
+                    attributes={k: v for k, v in record.attributes.items() if v is not None},
+                    kind=record.kind,
+                    status=_ERROR if record.failed else _UNSET,
+                    start_time=record.start_ns,
+                    end_time=record.end_ns,
+                    instrumentation_scope=self.scope,
+                )
+            )
 
-    def _hold(self, key: tuple[int, int], span: EndedSpan) -> None:
-        held = self._held.get(key)
-        if held is None:
-            while len(self._held) >= self.max_traces:
-                self._evict_oldest()
-            held = self._held[key] = []
-        held.append(span)
-        self._spans += 1
-        while self._spans > self.max_spans:
-            self._evict_oldest()
 
-    def _evict_oldest(self) -> None:
-        key, spans = self._held.popitem(last=False)
-        self._spans -= len(spans)
-        self.counts[(DROPPED, "overflow")] += 1
-        self._remember(key, False)  # its later spans, root included, go too
+class Record:
+    """A span not (yet) exported: what the SDK span would hold."""
 
-    def _remember(self, key: tuple[int, int], exported: bool) -> None:
-        self._decided[key] = exported
-        if len(self._decided) > self.max_traces:
-            self._decided.popitem(last=False)
+    __slots__ = ("attributes", "end_ns", "failed", "kind", "name", "span_id", "start_ns")
 
-    def held(self) -> tuple[int, int]:
-        """(traces, spans) held now."""
-        with self._lock:
-            return len(self._held), self._spans
+    def __init__(self, name: str, kind: SpanKind, start_ns: int, attributes: dict[str, Any]):
+        self.name = name
+        self.kind = kind
+        self.span_id = random.getrandbits(64) or 1
+        self.start_ns = start_ns
+        self.end_ns: int | None = None
+        self.attributes = attributes
+        self.failed = False
 
-    def shutdown(self) -> None:
-        """Drop what is still held (no root ended for it) and shut the batch processor down."""
-        with self._lock:
-            self._held.clear()
-            self._spans = 0
-        self.downstream.shutdown()
+    def context(self, trace: TailTrace) -> SpanContext:
+        state = trace.parent.trace_state if trace.parent is not None else None
+        return SpanContext(trace.id, self.span_id, False, _SAMPLED, state)
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.downstream.force_flush(timeout_millis)
+
+class TailTrace:
+    """One request's SERVER span and its attempts' CLIENT spans, recorded as `Record`s until
+    the request ends and the sampler decides."""
+
+    __slots__ = ("_attempts", "_kept", "_sampler", "id", "parent", "root")
+
+    def __init__(
+        self,
+        sampler: TailSampler,
+        name: str,
+        parent: SpanContext | None,
+        start_ns: int,
+        attributes: Mapping[str, Any],
+    ) -> None:
+        self._sampler = sampler
+        self.parent = parent if parent is not None and parent.is_valid else None
+        self.id = self.parent.trace_id if self.parent is not None else random.getrandbits(128) or 1
+        self.root = Record(name, SpanKind.SERVER, start_ns, dict(attributes))
+        self._attempts: list[Record] = []
+        self._kept: bool | None = None  # None until the request ends
+
+    @property
+    def trace_id(self) -> str:
+        return format(self.id, "032x")
+
+    def attempt(
+        self, *, operation: str, model: str, provider: str, address: str | None, hedge: bool
+    ) -> tuple[Record, str]:
+        attributes = attempt_attributes(operation, model, provider, address, hedge)
+        record = Record(f"{operation} {model}", SpanKind.CLIENT, time.time_ns(), attributes)
+        self._attempts.append(record)
+        # Recorded whatever is decided later: the upstream may sample its part on this flag.
+        return record, f"00-{self.id:032x}-{record.span_id:016x}-01"
+
+    def capture_prompt(self, span: Record, body: Mapping[str, Any]) -> None:
+        if self._sampler.capture_content:
+            text = prompt_text(body)
+            if text is not None:
+                span.attributes[sc.GEN_AI_INPUT_MESSAGES] = text
+
+    def end_attempt(self, span: Record, **outcome: Any) -> None:
+        error_type = outcome.get("error_type")
+        span.attributes.update(ended_attempt_attributes(**outcome))
+        span.failed = bool(error_type)
+        span.end_ns = time.time_ns()
+        if self._kept:  # ended after its request: it follows the request's decision
+            self._sampler.export(self, [span])
+
+    def end(self, *, status: int, attributes: Mapping[str, Any], error_type: str | None) -> None:
+        root, sampler = self.root, self._sampler
+        root.attributes.update(attributes)
+        root.attributes[sc.HTTP_RESPONSE_STATUS_CODE] = status
+        if error_type:
+            root.attributes[sc.ERROR_TYPE] = error_type
+            root.failed = True
+        root.end_ns = time.time_ns()
+        parent = self.parent
+        reason = keep_reason(
+            root.attributes,
+            failed=root.failed,
+            attempts=(a.attributes for a in self._attempts),
+            sampled_parent=parent is not None and parent.trace_flags.sampled,
+            trace_id=self.id,
+            ratio=sampler.ratio,
+        )
+        sampler.counts[(EXPORTED, reason) if reason else (DROPPED, "rest")] += 1
+        self._kept = reason is not None
+        if reason is not None:
+            ended = [a for a in self._attempts if a.end_ns is not None]
+            sampler.export(self, [*ended, root])
+        self._attempts = []  # the ones still open hold their own records
+
+
+# --- shared with the SDK-backed trace ----------------------------------------------------------
+
+_MAX_CONTENT = 8192  # characters of a captured prompt
+_MAX_REASONS = 16  # finish reasons recorded on an attempt span (one per choice)
+_MAX_LABEL = 64  # characters of a finish reason
+
+
+def attempt_attributes(
+    operation: str, model: str, provider: str, address: str | None, hedge: bool
+) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        sc.GEN_AI_OPERATION_NAME: operation,
+        sc.GEN_AI_PROVIDER_NAME: provider,
+        sc.GEN_AI_REQUEST_MODEL: model,
+        sc.TG_ATTEMPT_HEDGE: hedge,
+    }
+    if address:
+        attributes[sc.SERVER_ADDRESS] = address
+    return attributes
+
+
+def prompt_text(body: Mapping[str, Any]) -> str | None:
+    messages = body.get("messages", body.get("prompt", body.get("input")))
+    return None if messages is None else orjson.dumps(messages).decode()[:_MAX_CONTENT]
+
+
+def ended_attempt_attributes(
+    *,
+    outcome: str,
+    error_type: str | None = None,
+    ttft_s: float | None = None,
+    input_tokens: int | None = None,
+    output_tokens: int | None = None,
+    finish_reasons: Sequence[str] = (),
+    response_model: str | None = None,
+    cache_read_tokens: int | None = None,
+    cache_write_tokens: int | None = None,
+) -> dict[str, Any]:
+    """How an attempt ended and what the upstream reported (a count it did not report is left
+    out; the cache counts are part of `input_tokens`)."""
+    attributes: dict[str, Any] = {sc.TG_ATTEMPT_OUTCOME: outcome}
+    if ttft_s is not None:
+        attributes[sc.TG_TTFT_MS] = round(ttft_s * 1000, 3)
+    if input_tokens is not None:
+        attributes[sc.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
+    if output_tokens is not None:
+        attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
+    if cache_read_tokens is not None:
+        attributes[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = cache_read_tokens
+    if cache_write_tokens is not None:
+        attributes[sc.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS] = cache_write_tokens
+    if finish_reasons:
+        # The upstream's words: a few, each bounded (and a string, whatever it sent).
+        attributes[sc.GEN_AI_RESPONSE_FINISH_REASONS] = [
+            str(reason)[:_MAX_LABEL] for reason in finish_reasons[:_MAX_REASONS]
+        ]
+    if response_model:
+        attributes[sc.GEN_AI_RESPONSE_MODEL] = response_model
+    if error_type:
+        attributes[sc.ERROR_TYPE] = error_type
+    return attributes

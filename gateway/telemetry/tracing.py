@@ -3,7 +3,8 @@ named and attributed per the GenAI semantic conventions (names in `gateway.semco
 
 Configured from the standard `OTEL_*` environment variables and off unless an OTLP endpoint (or
 `OTEL_TRACES_EXPORTER`) is set. Sampling is tail-aware unless `OTEL_TRACES_SAMPLER` is set: every
-span is recorded and `TailSampler` keeps the traces worth keeping (see `gateway.telemetry.tail`).
+request is recorded and `TailSampler` keeps the traces worth keeping (see `gateway.telemetry.tail`);
+with a head sampler, spans are the SDK's own (`HeadTrace`).
 Spans are exported by a batch processor from its own thread with a bounded queue: an unreachable
 collector costs dropped spans (counted), never a slower request.
 Nothing a client sent is recorded except, with content capture explicitly enabled, the prompt.
@@ -13,28 +14,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 from urllib.parse import unquote
 
-import orjson
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace import sampling as samplers
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway import semconv as sc
-from gateway.telemetry.tail import TailSampler
+from gateway.telemetry.tail import (
+    TailSampler,
+    attempt_attributes,
+    ended_attempt_attributes,
+    prompt_text,
+)
 
 logger = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
-_MAX_CONTENT = 8192  # characters of a captured prompt
-_MAX_REASONS = 16  # finish reasons recorded on an attempt span (one per choice)
-_MAX_LABEL = 64  # characters of a finish reason
 
 
 class _CountingProcessor(BatchSpanProcessor):
@@ -66,12 +68,36 @@ class _CountingProcessor(BatchSpanProcessor):
         super().on_end(span)
 
 
-class TailProcessor(TailSampler, SpanProcessor):
-    """The tail sampler as the SDK's span processor, in front of the batch processor."""
+class RequestTrace(Protocol):
+    """The spans of one request: its SERVER span and a CLIENT span per upstream attempt."""
+
+    @property
+    def trace_id(self) -> str: ...
+
+    def attempt(
+        self, *, operation: str, model: str, provider: str, address: str | None, hedge: bool
+    ) -> tuple[Any, str]:
+        """Start a span for an upstream attempt; returns it and the `traceparent` to send
+        upstream (this span as the parent: the upstream's spans nest under the attempt)."""
+        ...
+
+    def capture_prompt(self, span: Any, body: Mapping[str, Any]) -> None:
+        """Record the prompt on an attempt span, only when content capture is enabled."""
+        ...
+
+    def end_attempt(self, span: Any, **outcome: Any) -> None:
+        """End an attempt's span with how it ended (see `ended_attempt_attributes`)."""
+        ...
+
+    def end(self, *, status: int, attributes: Mapping[str, Any], error_type: str | None) -> None:
+        """End the request's span with its final attributes."""
+        ...
 
 
 class Tracing:
-    """The app's tracer, or nothing: when `provider` is None every method is a cheap no-op."""
+    """The app's tracer, or nothing: when `provider` is None every method is a cheap no-op.
+    With `tail`, requests are recorded and decided by the tail sampler; else by the SDK's
+    (head) sampler."""
 
     def __init__(
         self,
@@ -114,6 +140,9 @@ class Tracing:
             return None
         parent = _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else None
         start_ns = time.time_ns() - int((time.perf_counter() - arrived) * 1e9)
+        if self.tail is not None:
+            remote = trace.get_current_span(parent).get_span_context() if parent else None
+            return self.tail.request(name, parent=remote, start_ns=start_ns, attributes=attributes)
         span = self._tracer.start_span(
             name,
             context=parent,
@@ -121,7 +150,7 @@ class Tracing:
             attributes=dict(attributes),
             start_time=start_ns,
         )
-        return RequestTrace(self, span)
+        return HeadTrace(self, span)
 
     def shutdown(self) -> None:
         """Flush what is queued (bounded by the exporter's timeout) and stop the export thread."""
@@ -129,8 +158,8 @@ class Tracing:
             self.provider.shutdown()
 
 
-class RequestTrace:
-    """The spans of one request: its SERVER span and a CLIENT span per upstream attempt."""
+class HeadTrace:
+    """A request's spans as the SDK's own, sampled at the head."""
 
     __slots__ = ("_tracing", "span")
 
@@ -145,23 +174,13 @@ class RequestTrace:
     def attempt(
         self, *, operation: str, model: str, provider: str, address: str | None, hedge: bool
     ) -> tuple[Span, str]:
-        """Start a CLIENT span for an upstream attempt; returns it and the `traceparent` to send
-        upstream (this span as the parent: the upstream's spans nest under the attempt)."""
         tracer = self._tracing._tracer
         assert tracer is not None
-        attributes: dict[str, Any] = {
-            sc.GEN_AI_OPERATION_NAME: operation,
-            sc.GEN_AI_PROVIDER_NAME: provider,
-            sc.GEN_AI_REQUEST_MODEL: model,
-            sc.TG_ATTEMPT_HEDGE: hedge,
-        }
-        if address:
-            attributes[sc.SERVER_ADDRESS] = address
         span = tracer.start_span(
             f"{operation} {model}",
             context=trace.set_span_in_context(self.span, otel_context.Context()),
             kind=SpanKind.CLIENT,
-            attributes=attributes,
+            attributes=attempt_attributes(operation, model, provider, address, hedge),
         )
         # W3C traceparent of this span, written directly: the propagator's context round trip
         # costs more than the span itself on this path.
@@ -174,53 +193,16 @@ class RequestTrace:
         return span, traceparent
 
     def capture_prompt(self, span: Span, body: Mapping[str, Any]) -> None:
-        """Record the prompt on an attempt span, only when content capture is enabled."""
-        if not self._tracing.capture_content:
-            return
-        messages = body.get("messages", body.get("prompt", body.get("input")))
-        if messages is not None:
-            text = orjson.dumps(messages).decode()[:_MAX_CONTENT]
-            span.set_attribute(sc.GEN_AI_INPUT_MESSAGES, text)
+        if self._tracing.capture_content:
+            text = prompt_text(body)
+            if text is not None:
+                span.set_attribute(sc.GEN_AI_INPUT_MESSAGES, text)
 
-    @staticmethod
-    def end_attempt(
-        span: Span,
-        *,
-        outcome: str,
-        error_type: str | None = None,
-        ttft_s: float | None = None,
-        input_tokens: int | None = None,
-        output_tokens: int | None = None,
-        finish_reasons: Sequence[str] = (),
-        response_model: str | None = None,
-        cache_read_tokens: int | None = None,
-        cache_write_tokens: int | None = None,
-    ) -> None:
-        """End an attempt's span with how it ended and what the upstream reported (a count it
-        did not report is left out; the cache counts are part of `input_tokens`)."""
-        # One set_attributes call: each set_attribute takes the span's lock.
-        attributes: dict[str, Any] = {sc.TG_ATTEMPT_OUTCOME: outcome}
-        if ttft_s is not None:
-            attributes[sc.TG_TTFT_MS] = round(ttft_s * 1000, 3)
-        if input_tokens is not None:
-            attributes[sc.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
-        if output_tokens is not None:
-            attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
-        if cache_read_tokens is not None:
-            attributes[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = cache_read_tokens
-        if cache_write_tokens is not None:
-            attributes[sc.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS] = cache_write_tokens
-        if finish_reasons:
-            # The upstream's words: a few, each bounded (and a string, whatever it sent).
-            attributes[sc.GEN_AI_RESPONSE_FINISH_REASONS] = [
-                str(reason)[:_MAX_LABEL] for reason in finish_reasons[:_MAX_REASONS]
-            ]
-        if response_model:
-            attributes[sc.GEN_AI_RESPONSE_MODEL] = response_model
-        if error_type:
-            attributes[sc.ERROR_TYPE] = error_type
+    def end_attempt(self, span: Span, **outcome: Any) -> None:
+        if outcome.get("error_type"):
             span.set_status(Status(StatusCode.ERROR))
-        span.set_attributes(attributes)
+        # One set_attributes call: each set_attribute takes the span's lock.
+        span.set_attributes(ended_attempt_attributes(**outcome))
         span.end()
 
     def end(self, *, status: int, attributes: Mapping[str, Any], error_type: str | None) -> None:
@@ -269,10 +251,9 @@ def tracing_from_env(environ: Mapping[str, str]) -> Tracing:
     )
     tail = None
     if tail_on:
-        tail = TailProcessor(
-            processor, ratio=_tail_ratio(environ.get("TAILGUARD_TRACES_TAIL_RATIO"))
-        )
-    provider.add_span_processor(tail if tail is not None else processor)
+        ratio = _tail_ratio(environ.get("TAILGUARD_TRACES_TAIL_RATIO"))
+        tail = TailSampler(processor, ratio=ratio, resource=resource, capture_content=capture)
+    provider.add_span_processor(processor)  # the provider's shutdown flushes it
     # The batch processor logs one warning per dropped span; drops are counted in /metrics.
     logging.getLogger("opentelemetry.sdk._shared_internal").setLevel(logging.ERROR)
     return Tracing(provider, processor, capture_content=capture, tail=tail)
