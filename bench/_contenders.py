@@ -1,23 +1,29 @@
 """The processes of the field comparison: Tailguard with every feature on, LiteLLM, nginx, and
 what they need (a throwaway Redis, an OTLP sink), each started by the `Stack` and found ready.
+Portkey, the Node contender, is in `bench/_portkey.py`.
 
-LiteLLM runs from its own virtualenv (`bench/.venvs/litellm`, made on first use with
-`python -m venv` and `pip install 'litellm[proxy]'`), never from the project's. nginx is the
-system's. Either one missing is reported by `None` and a reason, so the run goes on without it.
+LiteLLM runs from its own virtualenv (`bench/.venvs/litellm`, made with `python -m venv` and
+`pip install LITELLM_REQUIREMENT`), never from the project's; a virtualenv holding another
+version is made anew, so a run always measures the pinned release. nginx is the system's.
+Either one missing is reported by `Found(None, ...)` and a reason, so the run goes on without it.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -30,7 +36,11 @@ except ImportError:
     from _harness import ROOT, VENV_BIN  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 LITELLM_VENV: Final = ROOT / "bench" / ".venvs" / "litellm"
-LITELLM_REQUIREMENT: Final = "litellm[proxy]"
+# The newest release whose `proxy` extra installs here: 1.108.8 to 1.110.2 pin companion
+# packages (`litellm-enterprise`, `litellm-proxy-extras`, `litellm-proxy`) that have no
+# matching release on the registry.
+LITELLM_REQUIREMENT: Final = "litellm[proxy]==1.108.7"
+LITELLM_VERSION: Final = LITELLM_REQUIREMENT.rpartition("==")[2]
 # One key for every path: Tailguard checks its sha256, LiteLLM takes it as its master key (which
 # must start with `sk-`), nginx and the upstream ignore it.
 API_KEY: Final = "sk-tailguard-bench-3f9c2a7e51d04b86"
@@ -92,16 +102,33 @@ def find_nginx() -> Found:
     return Found(Path(nginx), text.rpartition("/")[2] or text)
 
 
+def _litellm_version(python: Path) -> str | None:
+    """The LiteLLM version installed in its virtualenv; None when there is none (or it is
+    broken)."""
+    code = "import importlib.metadata as m; print(m.version('litellm'))"
+    try:
+        out = _run([str(python), "-c", code], 60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
 def find_litellm(install: bool) -> Found:
-    """LiteLLM in its own virtualenv; made (venv + pip) when missing and `install` is set."""
+    """LiteLLM at `LITELLM_VERSION` in its own virtualenv; made anew (venv + pip) when it is
+    missing or holds another version, if `install` is set."""
     binary = LITELLM_VENV / "bin" / "litellm"
     python = LITELLM_VENV / "bin" / "python"
-    if not binary.exists():
+    installed = _litellm_version(python) if python.exists() else None
+    if installed != LITELLM_VERSION or not binary.exists():
+        held = f" (it holds {installed})" if installed else ""
         if not install:
-            return Found(None, None, f"LiteLLM not installed in {LITELLM_VENV}")
-        print(f"installing {LITELLM_REQUIREMENT} into {LITELLM_VENV} (first use)...", flush=True)
+            return Found(None, None, f"LiteLLM {LITELLM_VERSION} not in {LITELLM_VENV}{held}")
+        why = "first use" if installed is None else f"replacing {installed}"
+        print(f"installing {LITELLM_REQUIREMENT} into {LITELLM_VENV} ({why})...", flush=True)
         steps = [
-            [sys.executable, "-m", "venv", str(LITELLM_VENV)],
+            [sys.executable, "-m", "venv", "--clear", str(LITELLM_VENV)],
             [str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"],
             [str(python), "-m", "pip", "install", "-q", LITELLM_REQUIREMENT],
         ]
@@ -113,17 +140,10 @@ def find_litellm(install: bool) -> Found:
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
                 return Found(None, None, "installing LiteLLM failed: " + " / ".join(tail))
-        if not binary.exists():
-            return Found(None, None, f"pip installed no `litellm` command in {LITELLM_VENV}")
-    try:
-        out = _run(
-            [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"], 60
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        return Found(None, None, f"LiteLLM's virtualenv is broken: {exc}")
-    if out.returncode != 0:
-        return Found(None, None, f"LiteLLM's virtualenv is broken: {out.stderr.strip()[-200:]}")
-    return Found(binary, out.stdout.strip())
+        installed = _litellm_version(python)
+        if installed != LITELLM_VERSION or not binary.exists():
+            return Found(None, None, f"pip left LiteLLM {installed} in {LITELLM_VENV}")
+    return Found(binary, installed)
 
 
 def tool_versions() -> dict[str, str]:
@@ -185,6 +205,70 @@ def otlp_stats(port: int) -> dict[str, int]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=5) as response:
         stats: dict[str, int] = json.loads(response.read())
     return stats
+
+
+# --- why requests failed -------------------------------------------------------------------------
+
+# An exception's name and message as Node stack traces and Python tracebacks print them.
+_ERROR_NAME: Final = re.compile(r"\b([A-Z][A-Za-z]*(?:Error|Exception))\b(?::[ \t]*([^\n]*))?")
+_STATUS: Final = re.compile(r"^status (\d{3})\b")  # the load generator's error samples
+_LOG_READ_LIMIT: Final = 1 << 20  # a window of failures can log megabytes of stack traces
+REASON_CHARS: Final = 60
+
+
+def log_size(path: Path) -> int:
+    """Where the next window's log lines start."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def log_errors(path: Path, offset: int, limit: int = 3) -> list[str]:
+    """The exceptions a process logged after `offset` (`TypeError: immutable`), most frequent
+    first."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            text = file.read(_LOG_READ_LIMIT).decode(errors="replace")
+    except OSError:
+        return []
+    found = Counter(
+        f"{name}: {message.strip()[:REASON_CHARS]}".rstrip(": ")
+        for name, message in _ERROR_NAME.findall(text)
+    )
+    return [reason for reason, _ in found.most_common(limit)]
+
+
+def failure_cause(samples: Sequence[str], logged: Sequence[str]) -> tuple[int | None, str]:
+    """(the most frequent HTTP status, a short reason) of failed requests: the exception the
+    process logged meanwhile if any, else the message of the first error body."""
+    statuses = Counter(int(m.group(1)) for sample in samples if (m := _STATUS.match(sample)))
+    status = statuses.most_common(1)[0][0] if statuses else None
+    if logged:
+        return status, logged[0]
+    if not samples:
+        return status, ""
+    sample = samples[0]
+    head, _, body = sample.partition(": ")
+    if not _STATUS.match(head):
+        return status, sample[:REASON_CHARS]  # not an HTTP error: a timeout, a reset, a bad body
+    with contextlib.suppress(ValueError, SyntaxError, TypeError):
+        message = _body_message(json.loads(ast.literal_eval(body)))  # printed as b'...'
+        if message is not None:
+            return status, message[:REASON_CHARS]
+    return status, body[:REASON_CHARS]
+
+
+def _body_message(document: object) -> str | None:
+    """`message` or `error.message` (or a bare `error` string) of a JSON error body."""
+    if not isinstance(document, dict):
+        return None
+    error = document.get("error")
+    message = document.get("message") or (
+        error.get("message") if isinstance(error, dict) else error
+    )
+    return message if isinstance(message, str) and message else None
 
 
 def tailguard_config(

@@ -11,6 +11,9 @@ What each path is:
 - litellm: `litellm --num_workers 1` from `bench/.venvs/litellm`, with LiteLLM's production
   settings (no database, master key = the same key, no spend/error logs, `set_verbose: false`,
   `json_logs`, `LITELLM_LOG=ERROR`, `LITELLM_MODE=PRODUCTION`, uvloop).
+- portkey: Portkey's open-source gateway (`@portkey-ai/gateway`, `bench/.node/portkey`), one
+  `node` process, routed by request headers (`x-portkey-provider: openai`,
+  `x-portkey-custom-host` at the upstream; see `bench/_portkey.py`).
 - nginx: one worker process, keep-alive upstream, `proxy_buffering off`: the practical floor.
 - reference (`--reference`): the bare aiohttp forwarder of `bench/_refproxy.py`.
 
@@ -18,7 +21,8 @@ Every proxy is pinned to CPU 0; the upstream, the load generator, Redis and the 
 CPU 1. Each phase runs on every path, `--repeat` times in rotating order, and every figure is the
 median over the repeats ("added" figures: the median of the per-repeat differences to direct in
 the same repeat). CPU per request is the proxy's CPU time (all its processes) over the requests of
-a window.
+a window. A phase in which every request to a path failed is reported as failed (the status, and
+the exception the proxy logged or the error body's message), not as figures.
 
 Phases: saturated closed loop (c=`--concurrency`) non-streaming, zero-delay streaming and paced
 streaming (`--paced-tps`, one network read per event); open loop non-streaming at each of
@@ -47,6 +51,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +61,7 @@ from gateway.tools.stack import Stack, free_port, proc_cpu_s
 
 try:  # `python -m bench.overhead` or `python bench/overhead.py`
     from bench import _contenders as contenders
+    from bench import _portkey
     from bench import _profile as profiling
     from bench._field_report import (
         LABELS,
@@ -72,6 +78,7 @@ try:  # `python -m bench.overhead` or `python bench/overhead.py`
     from bench._load import LoadSpec, run_load
 except ImportError:
     import _contenders as contenders  # type: ignore[no-redef,unused-ignore,import-not-found]
+    import _portkey  # type: ignore[no-redef,unused-ignore,import-not-found]
     import _profile as profiling  # type: ignore[no-redef,unused-ignore,import-not-found]
     from _field_report import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         LABELS,
@@ -98,21 +105,27 @@ MODELS: Final = (MODEL, PACED_MODEL)
 PROMPT: Final = "Explain in one sentence why tail latency matters for interactive LLM applications."
 FIELD_RATES: Final = (20.0, 100.0)
 MIN_OPEN_REQUESTS: Final = 300  # per open-loop window: p99 then rests on the 3 slowest, not 1
-PROXIES: Final = ("tailguard", "litellm", "nginx", "reference")
+PROXIES: Final = ("tailguard", "litellm", "portkey", "nginx", "reference")
 ROLES: Final = {  # path -> its role in the Stack (and so its CPU pinning)
     "tailguard": "gateway",
     "litellm": "litellm",
+    "portkey": "portkey",
     "nginx": "nginx",
     "reference": "reference",
 }
 _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 NOISY_STEAL_PERCENT: Final = 2.0
+_PORTKEY_HEADERS_SHOWN: Final = {  # in the results, for what differs from run to run
+    "authorization": "Bearer <the bench key>",
+    "x-portkey-custom-host": "http://127.0.0.1:<upstream port>/v1",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class FieldOptions:
     litellm: bool
     nginx: bool
+    portkey: bool
     reference: bool
     repeat: int
     duration_s: float
@@ -162,7 +175,7 @@ def pinning() -> tuple[dict[str, list[str]], str | None]:
     if not {0, 1} <= os.sched_getaffinity(0):
         return {}, f"CPUs 0 and 1 are not both available ({sorted(os.sched_getaffinity(0))})"
     cpu0, cpu1 = [taskset, "-c", "0"], [taskset, "-c", "1"]
-    pin = {role: cpu0 for role in ("gateway", "litellm", "nginx", "reference")}
+    pin = {role: cpu0 for role in ("gateway", "litellm", "portkey", "nginx", "reference")}
     pin |= {role: cpu1 for role in ("upstream", "load", "redis", "otlp", "profiler")}
     return pin, None
 
@@ -201,6 +214,9 @@ class Runner:
     ports: dict[str, int]
     cpu_pids: dict[str, list[int]] = field(default_factory=dict)  # path -> its processes
     sent: dict[str, int] = field(default_factory=dict)  # path -> requests sent (all windows)
+    # path -> what its requests carry (default: the bench key); Portkey adds its routing
+    headers: dict[str, dict[str, str]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)  # path -> its log, read when requests fail
 
     def load(self, path: str, label: str, **kw: Any) -> dict[str, Any]:
         charged = {f"proxy.{i}": pid for i, pid in enumerate(self.cpu_pids.get(path, []))}
@@ -208,10 +224,12 @@ class Runner:
             port=self.ports[path],
             cpu_pids=charged,
             expect_tokens=self.opts.tokens,
-            headers=dict(contenders.AUTH_HEADERS),
+            headers=dict(self.headers.get(path, contenders.AUTH_HEADERS)),
             **kw,
         )
         pids = self.cpu_pids.get(path, [])
+        log = self.logs.get(path)
+        log_start = contenders.log_size(log) if log is not None else 0
         started = time.monotonic()
         busy0, all0 = cpu0_jiffies()
         mine0 = sum(_cpu_s(pid) for pid in pids)
@@ -219,6 +237,8 @@ class Runner:
         busy1, all1 = cpu0_jiffies()
         mine1 = sum(_cpu_s(pid) for pid in pids)
         took = time.monotonic() - started
+        if result["errors"] and log is not None:
+            result["log_errors"] = contenders.log_errors(log, log_start)
         per = result["cpu_ms_per_request"]
         result["proxy_cpu_ms"] = sum(per.values()) if per else None
         # Other processes on the proxy's CPU (other work on a shared machine): the noise that
@@ -242,7 +262,8 @@ class Runner:
             flush=True,
         )
         if result["errors"]:
-            print(f"    errors: {result['error_samples'][:2]}", file=sys.stderr, flush=True)
+            logged = "".join(f"; logged {e!r}" for e in result.get("log_errors", [])[:1])
+            print(f"    errors: {result['error_samples'][:2]}{logged}", file=sys.stderr, flush=True)
         return result
 
     def phase(self, path: str, phase: Phase) -> dict[str, Any]:
@@ -302,10 +323,11 @@ def measure(runner: Runner, paths: list[str]) -> dict[str, dict[str, list[dict[s
 def summarize(
     opts: FieldOptions, raw: dict[str, dict[str, list[dict[str, Any]]]], paths: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """Per path: medians over the repeats (and the spread of the key ones)."""
+    """Per path: medians over the repeats (and the spread of the key ones), and per phase with
+    failed requests a record of them. Windows in which every request failed give no figures."""
 
     def values(phase: str, path: str, pick: Callable[[dict[str, Any]], Any]) -> list[float]:
-        return [v for r in raw[phase][path] if (v := pick(r)) is not None]
+        return [v for r in raw[phase][path] if r["ok"] and (v := pick(r)) is not None]
 
     def quantile(metric: str, q: str) -> Callable[[dict[str, Any]], Any]:
         return lambda r: (r[metric] or {}).get(q)
@@ -315,21 +337,25 @@ def summarize(
         return [
             a - b
             for mine, direct in pairs
-            if (a := quantile(metric, q)(mine)) is not None
+            if mine["ok"]
+            and direct["ok"]
+            and (a := quantile(metric, q)(mine)) is not None
             and (b := quantile(metric, q)(direct)) is not None
         ]
 
     summary: dict[str, dict[str, Any]] = {}
     for path in paths:
         s: dict[str, Any] = {}
+        figures: dict[str, list[str]] = {}  # phase -> the summary keys measured in it
         for phase, key in (("sat", ""), ("sat_stream", "stream_"), ("paced", "paced_")):
             thr = values(phase, path, lambda r: r["throughput_rps"])
             cpu = values(phase, path, lambda r: r["proxy_cpu_ms"])
             s[f"{key}throughput_rps"] = median(thr)
             s[f"{key}cpu_ms"] = median(cpu)
             s[f"{key}cpu_ms_range"] = [min(cpu), max(cpu)] if cpu else None
+            figures[phase] = [f"{key}throughput_rps", f"{key}cpu_ms", f"{key}cpu_ms_range"]
         for rate in opts.rates:
-            name = f"open{rate:g}"
+            name, before = f"open{rate:g}", set(s)
             for q in ("p50", "p99"):
                 s[f"{name}_{q}_ms"] = median(values(name, path, quantile("latency_ms", q)))
                 if path != "direct":
@@ -337,12 +363,15 @@ def summarize(
                     s[f"{name}_added_{q}_ms"] = median(diffs)
                     s[f"{name}_added_{q}_ms_range"] = [min(diffs), max(diffs)] if diffs else None
             s[f"{name}_cpu_ms"] = median(values(name, path, lambda r: r["proxy_cpu_ms"]))
+            figures[name] = [k for k in s if k not in before]
+        before = set(s)
         for q in ("p50", "p99"):
             s[f"ttft_{q}_ms"] = median(values("ttft", path, quantile("ttft_ms", q)))
             if path != "direct":
                 diffs = added("ttft", path, "ttft_ms", q)
                 s[f"ttft_added_{q}_ms"] = median(diffs)
                 s[f"ttft_added_{q}_ms_range"] = [min(diffs), max(diffs)] if diffs else None
+        figures["ttft"] = [k for k in s if k not in before]
         foreign = [
             f
             for runs in raw.values()
@@ -357,8 +386,40 @@ def summarize(
             for runs in raw.values()
             for r in runs.get(path, [])
         )
+        s["failures"] = {
+            phase: record
+            for phase, runs in raw.items()
+            if (record := _failures(runs.get(path, []), figures.get(phase, []))) is not None
+        }
         summary[path] = s
     return summary
+
+
+def _failures(runs: list[dict[str, Any]], figures: list[str]) -> dict[str, Any] | None:
+    """What failed in one phase on one path (None: nothing): how many, the status and reason
+    (`text`, e.g. `500 (TypeError: immutable)`), and whether every request failed, in which
+    case the summary keys in `figures` hold no figure."""
+    errors = sum(r["errors"] for r in runs)
+    if not errors:
+        return None
+    samples = [sample for r in runs for sample in r["error_samples"]]
+    logged = Counter(e for r in runs for e in r.get("log_errors", []))
+    status, reason = contenders.failure_cause(samples, [e for e, _ in logged.most_common()])
+    if status is not None:
+        text = f"{status} ({reason})" if reason else str(status)
+    else:
+        text = reason or "errors"
+    return {
+        "all_failed": not any(r["ok"] for r in runs),
+        "errors": errors,
+        "requests": sum(r["requests"] for r in runs),
+        "status": status,
+        "reason": reason,
+        "text": text,
+        "samples": samples[:3],
+        "logged": [e for e, _ in logged.most_common(3)],
+        "figures": figures,
+    }
 
 
 # --- sharing through Redis and worker scaling ----------------------------------------------------
@@ -534,11 +595,15 @@ def _logs(keep: bool) -> Iterator[Path]:
 def run(opts: FieldOptions) -> int:
     """The whole comparison; 0 when every target passes, 1 when one is missed, 2 on failure."""
     notes: list[str] = []
-    litellm = nginx = None
+    litellm = nginx = portkey = None
     if opts.litellm:
         litellm = contenders.find_litellm(install=True)
         if litellm.path is None:
             notes.append(f"LiteLLM skipped: {litellm.reason}")
+    if opts.portkey:
+        portkey = _portkey.find_portkey(install=True)
+        if portkey.path is None:
+            notes.append(f"Portkey skipped: {portkey.reason}")
     if opts.nginx:
         nginx = contenders.find_nginx()
         if nginx.path is None:
@@ -553,7 +618,7 @@ def run(opts: FieldOptions) -> int:
         stack = Stack(logs=logs, pin=pin, cwd=ROOT)
         try:
             with sigterm_as_interrupt():
-                return _run(opts, stack, notes, litellm, nginx)
+                return _run(opts, stack, notes, litellm, nginx, portkey)
         except KeyboardInterrupt:
             print("\ninterrupted", file=sys.stderr)
             return 130
@@ -570,6 +635,7 @@ def _run(
     notes: list[str],
     litellm: contenders.Found | None,
     nginx: contenders.Found | None,
+    portkey: contenders.Found | None,
 ) -> int:
     ports = {"direct": free_port(), "tailguard": free_port()}
     redis_port, otlp_port = free_port(), free_port()
@@ -595,6 +661,12 @@ def _run(
             stack, litellm.path, ports["litellm"], ports["direct"], MODELS
         ).pid
         versions["litellm"] = litellm.version or "?"
+    headers: dict[str, dict[str, str]] = {}
+    if portkey is not None and portkey.path is not None:
+        ports["portkey"] = free_port()
+        roots["portkey"] = _portkey.start_portkey(stack, portkey.path, ports["portkey"]).pid
+        headers["portkey"] = _portkey.request_headers(ports["direct"])
+        versions |= _portkey.versions(portkey)
     if nginx is not None and nginx.path is not None:
         ports["nginx"] = free_port()
         roots["nginx"] = contenders.start_nginx(
@@ -607,7 +679,10 @@ def _run(
             stack, ports["reference"], ports["direct"]
         ).pid
     paths = ["direct", *(p for p in PROXIES if p in ports)]
-    runner = Runner(stack, opts, ports)
+    runner = Runner(stack, opts, ports, headers=headers)
+    # Where each path says why a request failed (nginx's own errors go to its error log).
+    logged = {"direct": "upstream.log", "nginx": "nginx/nginx-error.log", "reference": "ref.log"}
+    runner.logs = {p: stack.logs / logged.get(p, f"{p}.log") for p in paths}
     time.sleep(0.5)  # nginx forks its worker after it answers; let it settle
     runner.cpu_pids = {path: contenders.descendants(pid) for path, pid in roots.items()}
     print(
@@ -691,6 +766,10 @@ def _run(
             },
             "litellm_settings": contenders.LITELLM_SETTINGS,
             "litellm_command": "litellm --config <file> --host 127.0.0.1 --num_workers 1",
+            "portkey_command": "node <@portkey-ai/gateway>/build/start-server.js --port=<port> "
+            + " ".join(_portkey.PORTKEY_ARGS),
+            "portkey_env": _portkey.PORTKEY_ENV,
+            "portkey_headers": _portkey.request_headers(0) | _PORTKEY_HEADERS_SHOWN,
             "nginx_conf": contenders.NGINX_CONF,
             "tailguard_config": contenders.tailguard_config(0, 0, 0, MODELS),
         },

@@ -15,6 +15,7 @@ LABELS: Final = {
     "direct": "direct",
     "tailguard": "Tailguard",
     "litellm": "LiteLLM",
+    "portkey": "Portkey",
     "nginx": "nginx",
     "reference": "bare proxy",
 }
@@ -142,10 +143,18 @@ def table(opts: FieldOptions, summary: dict[str, dict[str, Any]], paths: list[st
     for label, keys, digits in rows:
         cells = [label]
         for path in paths:
-            got = [summary[path].get(k) for k in keys.split("|")]
-            cells.append(
-                " / ".join(fmt(v, digits) for v in got) if any(v is not None for v in got) else ""
-            )
+            names = keys.split("|")
+            got = [summary[path].get(k) for k in names]
+            shown = any(v is not None for v in got)
+            cell = " / ".join(fmt(v, digits) for v in got) if shown else ""
+            # A phase with failed requests: every one failed (no figure to show), or some.
+            failures = summary[path].get("failures", {}).values()
+            failed = next((f for f in failures if names[0] in f["figures"]), None)
+            if failed is not None and failed["all_failed"]:
+                cell = f"failed: {failed['text']}"
+            elif failed is not None and cell:
+                cell += f" ({failed['errors']} failed)"
+            cells.append(cell)
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
@@ -169,13 +178,24 @@ def ratios(summary: dict[str, dict[str, Any]], opts: FieldOptions) -> list[str]:
     keys += [(f"added p99 @{r:g}", f"open{r:g}_added_p99_ms") for r in opts.rates]
     keys.append(("added TTFT p99", "ttft_added_p99_ms"))
     out = []
-    for other in ("litellm", "nginx", "reference"):
+    for other in ("litellm", "portkey", "nginx", "reference"):
         if other not in summary:
             continue
+        failed = {  # figures of phases in which every request failed, on either side
+            key
+            for side in (tg, summary[other])
+            for f in side.get("failures", {}).values()
+            if f["all_failed"]
+            for key in f["figures"]
+        }
         parts = [
-            f"{name} {fmt(ratio(tg.get(key), summary[other].get(key)), 3)}" for name, key in keys
+            f"{name} {fmt(ratio(tg.get(key), summary[other].get(key)), 3)}"
+            for name, key in keys
+            if key not in failed
         ]
-        out.append(f"  Tailguard / {LABELS[other]}: " + ", ".join(parts))
+        skipped = [name for name, key in keys if key in failed]
+        line = f"  Tailguard / {LABELS[other]}: " + ", ".join(parts)
+        out.append(line + (f" (failed, not compared: {', '.join(skipped)})" if skipped else ""))
     return out
 
 

@@ -46,13 +46,17 @@ PASS/FAIL; the results go to `bench/results/overhead.json` (or `--json PATH`). T
     .venv/bin/python bench/overhead.py --quick      # smoke run, ~40 s
     .venv/bin/python bench/overhead.py --reference  # also the bare proxy, ~3 minutes
 
-Against the field (`bench/_field.py`, `bench/_contenders.py`): `--litellm`, `--nginx`, `--field`
-(both) measure Tailguard with every feature on (budgets and fallbacks, the Redis latency store,
-traces exported over OTLP, the access log, API keys) against LiteLLM's proxy (its own virtualenv
-in `bench/.venvs/litellm`, made on first use) and nginx `proxy_pass`, `--repeat` times, medians;
-a missing LiteLLM or nginx is skipped with a message. `--workers N` adds Tailguard's throughput
-with 1 and N workers sharing statistics through Redis; `--profile` samples the gateway with
-py-spy under saturated load and measures what each of its features costs.
+Against the field (`bench/_field.py`, `bench/_contenders.py`, `bench/_portkey.py`):
+`--litellm`, `--portkey`, `--nginx`, `--field` (all three) measure Tailguard with every feature
+on (budgets and fallbacks, the Redis latency store, traces exported over OTLP, the access log,
+API keys) against LiteLLM's proxy (the pinned release, in its own virtualenv in
+`bench/.venvs/litellm`, made on first use), Portkey's open-source gateway (`@portkey-ai/gateway`
+on `node`, installed with npm into `bench/.node/portkey` on first use) and nginx `proxy_pass`,
+`--repeat` times, medians; a contender that cannot be found or installed is skipped with a
+message, and a phase whose requests all fail on a path is shown as failed, with the status and
+the reason. `--workers N` adds Tailguard's throughput with 1 and N workers sharing statistics
+through Redis; `--profile` samples the gateway with py-spy under saturated load and measures what
+each of its features costs.
 
     .venv/bin/python bench/overhead.py --field --workers 2 --profile   # ~20 minutes
 """
@@ -508,7 +512,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     )
     field = parser.add_argument_group(
         "against the field",
-        "Tailguard with every feature on against LiteLLM and nginx (any of these flags; "
+        "Tailguard with every feature on against LiteLLM, Portkey and nginx (any of these flags; "
         "results go to bench/results/overhead-field.json unless --json)",
     )
     field.add_argument(
@@ -516,8 +520,15 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         action="store_true",
         help="compare with LiteLLM's proxy (installed into bench/.venvs/litellm on first use)",
     )
+    field.add_argument(
+        "--portkey",
+        action="store_true",
+        help="compare with Portkey's gateway (installed into bench/.node/portkey on first use)",
+    )
     field.add_argument("--nginx", action="store_true", help="compare with nginx proxy_pass")
-    field.add_argument("--field", action="store_true", help="both --litellm and --nginx")
+    field.add_argument(
+        "--field", action="store_true", help="all of --litellm, --portkey and --nginx"
+    )
     field.add_argument(
         "--repeat", type=int, default=3, help="rounds of every phase; medians (default 3)"
     )
@@ -538,7 +549,9 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         parser.error("--duration, --rate, --stream-rate, --paced-tps, --concurrency: must be > 0")
     if args.repeat < 1 or not 1 <= args.workers <= 64:
         parser.error("--repeat: at least 1; --workers: 1 to 64")
-    against = args.litellm or args.nginx or args.field or args.workers > 1 or args.profile
+    against = (
+        args.litellm or args.portkey or args.nginx or args.field or args.workers > 1 or args.profile
+    )
     field_options = None
     if against:
         json_path = args.json
@@ -547,6 +560,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         field_options = field_run.FieldOptions(
             litellm=args.litellm or args.field,
             nginx=args.nginx or args.field,
+            portkey=args.portkey or args.field,
             reference=args.reference,
             repeat=1 if args.quick else args.repeat,
             duration_s=duration,
