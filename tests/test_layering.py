@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gateway"
 LIBRARY_OWNERS = {
     "fastapi": {"gateway.api"},
     "starlette": {"gateway.api"},
-    "uvicorn": {"gateway.cli.serve", "gateway.sim.server", "gateway.protocol"},
+    "uvicorn": {"gateway.cli.serve", "gateway.sim.server", "gateway.protocol", "gateway.handoff"},
     "httptools": {"gateway.protocol", "gateway.tools.load"},
     "httpx": set(),
     "aiohttp": {"gateway.providers.http", "gateway.providers.vllm", "gateway.tools.probe"},
@@ -33,7 +33,7 @@ LIBRARY_OWNERS = {
         "gateway.ratelimit",
         "gateway.responses_store",
     },
-    "opentelemetry": {"gateway.telemetry.tracing"},
+    "opentelemetry": {"gateway.telemetry.tracing", "gateway.telemetry.tail"},
     "prometheus_client": {
         "gateway.telemetry.prometheus",
         "gateway.telemetry.meters",

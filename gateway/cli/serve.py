@@ -76,7 +76,11 @@ def serve(
         tune_gc()
         uvicorn.run(app, **options)
         return
-    # Workers are separate processes: each loads the same (already validated) file.
+    # Workers are separate processes: each loads the same (already validated) file. This
+    # process accepts and deals the connections out to them (gateway/workers.py).
     os.environ[CONFIG_PATH_ENV] = str(config_path(config).resolve())
     os.environ[LOG_LEVEL_ENV] = log_level
-    uvicorn.run("gateway.api:create_app_from_env", factory=True, workers=count, **options)
+    from gateway.workers import serve_workers
+
+    status = serve_workers(count, options, grace_s=settings.server.shutdown_grace_s)
+    raise typer.Exit(status)
