@@ -35,6 +35,9 @@ _WAITING = "vllm:num_requests_waiting"
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _TTFT = "vllm:time_to_first_token_seconds"
 _TPOT = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+# The families read; every other line of a page is skipped before parsing. A real server's page
+# is mostly families nobody here reads, and the parser is pure Python.
+_READ = (_RUNNING, _WAITING, *_KV, _TTFT, *_TPOT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +98,8 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
     tpot: dict[str, dict[float, float]] = {}
     tpot_count: dict[str, float] = {}
     tpot_sum: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(_READ))
+    for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
             labels = sample.labels
             if model is not None and labels.get("model_name", model) != model:
