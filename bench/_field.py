@@ -727,7 +727,7 @@ def _run(
         print(f"\nscaling, saturated non-streaming, c={opts.concurrency}, Tailguard not pinned:")
         for line in scaling_lines(opts, scaled):
             print(line)
-    verdicts = targets(opts, summary)
+    verdicts = targets(opts, summary, scaled)
     print()
     for target in verdicts:
         shown = fmt(target.value, 3) + ("" if target.unit == "x" else f" {target.unit}")
@@ -796,7 +796,9 @@ def _run(
     opts.json_path.write_text(json.dumps(document, indent=2) + "\n")
     print(f"\nresults: {opts.json_path}")
     missed = any(t.verdict() == "MISS" for t in verdicts)
-    return 1 if missed or errors else 0
+    # A contender's failures are its result, shown in the table; ours fail the run.
+    ours = sum(summary[p]["errors"] for p in ("direct", "tailguard", "reference") if p in summary)
+    return 1 if missed or ours else 0
 
 
 def _auth_state(port: int) -> str:

@@ -20,6 +20,10 @@ LABELS: Final = {
     "reference": "bare proxy",
 }
 TTFT_P99_LIMIT_MS: Final = 2.0
+LIGHT_P99_LIMIT_MS: Final = 2.0  # added p99 at the lightest open-loop rate
+FLOOR_RATIO: Final = 2.5  # CPU per request, every feature on, against the bare aiohttp proxy
+WORKER_SPREAD: Final = 0.2  # each worker's share of requests within 20% of 1/N
+WORKER_CPU_RATIO: Final = 1.1
 
 
 # --- targets and the report ----------------------------------------------------------------------
@@ -57,8 +61,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def targets(opts: FieldOptions, summary: dict[str, dict[str, Any]]) -> list[Target]:
-    tg, ll = summary["tailguard"], summary.get("litellm")
+def targets(
+    opts: FieldOptions, summary: dict[str, dict[str, Any]], scaled: dict[str, Any] | None = None
+) -> list[Target]:
+    tg, ll, ref = summary["tailguard"], summary.get("litellm"), summary.get("reference")
 
     def versus(label: str, key: str, unit: str, limit: float, at_least: bool = False) -> Target:
         mine = tg.get(key)
@@ -69,7 +75,30 @@ def targets(opts: FieldOptions, summary: dict[str, dict[str, Any]]) -> list[Targ
             detail = f"Tailguard {fmt(mine, 3)} vs LiteLLM {fmt(theirs, 3)} {unit}"
         return Target(label, ratio(mine, theirs), limit, at_least=at_least, detail=detail)
 
+    def floor(label: str, key: str) -> Target:
+        mine, bare = tg.get(key), ref.get(key) if ref is not None else None
+        detail = (
+            f"Tailguard {fmt(mine, 3)} vs the bare proxy {fmt(bare, 3)} ms"
+            if ref is not None
+            else "the bare proxy not measured (--reference)"
+        )
+        return Target(label, ratio(mine, bare), FLOOR_RATIO, detail=detail)
+
     found = [
+        floor(
+            f"CPU per non-streaming request, every feature on, <= {FLOOR_RATIO:g}x the bare proxy",
+            "cpu_ms",
+        ),
+        floor(
+            f"CPU per {opts.tokens}-chunk stream, every feature on, <= {FLOOR_RATIO:g}x the bare "
+            "proxy",
+            "stream_cpu_ms",
+        ),
+        floor(
+            f"CPU per paced {opts.tokens}-chunk stream, every feature on, <= {FLOOR_RATIO:g}x the "
+            "bare proxy",
+            "paced_cpu_ms",
+        ),
         versus("CPU per non-streaming request <= 1/10 of LiteLLM's", "cpu_ms", "ms", 0.1),
         versus(
             f"CPU per {opts.tokens}-chunk stream <= 1/10 of LiteLLM's", "stream_cpu_ms", "ms", 0.1
@@ -85,6 +114,16 @@ def targets(opts: FieldOptions, summary: dict[str, dict[str, Any]]) -> list[Targ
         )
         for rate in opts.rates
     ]
+    light = min(opts.rates)
+    found.append(
+        Target(
+            f"added p99 at {light:g} RPS <= {LIGHT_P99_LIMIT_MS:g} ms",
+            tg.get(f"open{light:g}_added_p99_ms"),
+            LIGHT_P99_LIMIT_MS,
+            unit="ms",
+            detail="open loop, vs direct",
+        )
+    )
     found.append(
         Target(
             f"streaming TTFT overhead p99 <= {TTFT_P99_LIMIT_MS:g} ms",
@@ -94,7 +133,35 @@ def targets(opts: FieldOptions, summary: dict[str, dict[str, Any]]) -> list[Targ
             detail=f"at {opts.stream_rate:g} streams/s, vs direct",
         )
     )
+    if scaled is not None:
+        found += worker_targets(opts, scaled)
     return found
+
+
+def worker_targets(opts: FieldOptions, scaled: dict[str, Any]) -> list[Target]:
+    """Even workers: each one's share of the requests, and CPU per request against one worker."""
+    n = opts.workers
+    one, many = scaled["1"], scaled[str(n)]
+    served = [v["local_requests"] for v in many["workers_seen"]]
+    total = sum(served)
+    spread = None
+    if len(served) == n and total:
+        spread = max(abs(count * n / total - 1.0) for count in served)
+    shares = ", ".join(f"{100 * c / total:.1f}%" for c in served) if total else "none"
+    return [
+        Target(
+            f"each of {n} workers serves 1/{n} of the requests +-{WORKER_SPREAD:.0%}",
+            spread,
+            WORKER_SPREAD,
+            detail=f"largest deviation from 1/{n}; shares {shares} ({len(served)} seen)",
+        ),
+        Target(
+            f"CPU per request with {n} workers <= {WORKER_CPU_RATIO:g}x one worker's",
+            ratio(many["cpu_ms"], one["cpu_ms"]),
+            WORKER_CPU_RATIO,
+            detail=f"{fmt(many['cpu_ms'], 3)} vs {fmt(one['cpu_ms'], 3)} ms, saturated",
+        ),
+    ]
 
 
 def fmt(value: float | None, digits: int = 2) -> str:

@@ -527,7 +527,9 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     )
     field.add_argument("--nginx", action="store_true", help="compare with nginx proxy_pass")
     field.add_argument(
-        "--field", action="store_true", help="all of --litellm, --portkey and --nginx"
+        "--field",
+        action="store_true",
+        help="all of --litellm, --portkey and --nginx, and --reference",
     )
     field.add_argument(
         "--repeat", type=int, default=3, help="rounds of every phase; medians (default 3)"
@@ -561,7 +563,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
             litellm=args.litellm or args.field,
             nginx=args.nginx or args.field,
             portkey=args.portkey or args.field,
-            reference=args.reference,
+            reference=args.reference or args.field,
             repeat=1 if args.quick else args.repeat,
             duration_s=duration,
             warmup_s=1.0 if args.quick else 3.0,
