@@ -275,7 +275,8 @@ def tailguard_config(
     port: int, upstream_port: int, redis_port: int, models: tuple[str, ...]
 ) -> dict[str, Any]:
     """Every feature on: budgets with a fallback (the planner runs on every request), the Redis
-    latency store, the access log, and an API key (sent by every request)."""
+    latency store, the access log, and an API key (sent by every request) with rate limits
+    checked in the same Redis."""
     budget = {"ttft_ms": 2000, "total_ms": 30000}
     return {
         "server": {"host": "127.0.0.1", "port": port, "access_log": True},
@@ -298,8 +299,18 @@ def tailguard_config(
         ]
         + [{"name": FALLBACK_MODEL, "deployments": [{"provider": "up", "model": models[0]}]}],
         "auth": {
-            "keys": [{"name": "bench", "sha256": sha256_hex(API_KEY)}],
+            # Limits far above any load here: every request is checked and charged in Redis
+            # (one Lua round trip) and none is refused.
+            "keys": [
+                {
+                    "name": "bench",
+                    "sha256": sha256_hex(API_KEY),
+                    "rpm": 100_000_000,
+                    "tpm": 10_000_000_000,
+                }
+            ],
             "admin_keys": [{"name": "bench-admin", "sha256": sha256_hex(ADMIN_KEY)}],
+            "rate_limits": {"store": "redis"},
         },
     }
 

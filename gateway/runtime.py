@@ -328,9 +328,9 @@ class Runtime:
         path = self.config_path
         # Watch the directory: editors and Kubernetes ConfigMap updates replace the file (or a
         # symlink to it) rather than write it. Only a change of content reloads; the content is
-        # also checked every second, so a change made before the watch began is not missed.
+        # also checked every 5 s, so a change made before the watch began is not missed.
         async for _ in awatch(
-            path.parent, debounce=200, step=50, rust_timeout=1000, yield_on_timeout=True
+            path.parent, debounce=200, step=50, rust_timeout=5000, yield_on_timeout=True
         ):
             digest = await asyncio.to_thread(_digest, path)
             if digest != seen:

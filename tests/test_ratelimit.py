@@ -304,6 +304,39 @@ async def test_limiter_unit_with_real_redis(redis_server: RedisServer) -> None:
         await limiter.aclose()
 
 
+async def evalsha_calls(client: Any) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_settles_of_a_key_are_summed_into_one_round_trip(redis_server: RedisServer) -> None:
+    """Many requests' corrections of one key within the settle interval reach Redis as one
+    script call carrying their sum; shutting down sends what is still owed."""
+    client = connect_redis(redis_server.url, wait_for_connection=True, max_connections=8)
+    limiter = RateLimiter(RateLimitSpec(), client)
+    principal = Principal(name="s", tpm=10_000)
+    try:
+        await limiter.take(principal, 5_000)  # the bucket now holds 5,000
+        before = await evalsha_calls(client)
+        for _ in range(50):
+            limiter.settle(principal, -20)  # 1,000 tokens back in all
+        async with asyncio.timeout(2):
+            while True:
+                state = await client.hget("tg:rl:{s}:tokens", "l")
+                if state is not None and float(state) >= 6_000:
+                    break
+                await asyncio.sleep(0.01)
+        assert await evalsha_calls(client) - before == 1
+        limiter.settle(principal, -1_000)
+        await limiter.aclose()  # flushes the correction instead of dropping it
+        reader = connect_redis(redis_server.url, wait_for_connection=True, max_connections=1)
+        state = await reader.hget("tg:rl:{s}:tokens", "l")
+        await reader.aclose()
+        assert state is not None and float(state) >= 7_000
+    finally:
+        await limiter.aclose()
+
+
 async def test_a_request_refused_after_its_charge_gets_its_tokens_back(
     upstream: Upstream, http: httpx.AsyncClient
 ) -> None:
