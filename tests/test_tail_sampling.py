@@ -175,6 +175,39 @@ async def test_a_hedged_request_is_exported_whole(
     assert decisions(metrics)[("exported", "hedge")] == 1
 
 
+async def test_a_request_slower_than_its_deployments_p99_is_exported(
+    collector: Collector, primary: Sim, client: httpx.AsyncClient
+) -> None:
+    """With a share of 0, quick requests are dropped; once the deployment's p99 is trusted, a
+    request far slower than it (60 tokens at 200 tokens/s, against 1 token) is exported as
+    `slow`, its span marked `tailguard.slow`."""
+    deployment = "up/paced@tokens_per_s=200,output_tokens=60"
+    settings = gateway_settings(
+        {"up": {"type": "vllm", "base_url": primary.base_url}},
+        [{"name": "m", "deployments": [{"provider": "up", "model": deployment[3:]}]}],
+        latency={"min_samples": 5},
+    )
+    environ = {**collector.env, **FAST_EXPORT, "TAILGUARD_TRACES_TAIL_RATIO": "0"}
+    quick = {"model": "m", "max_tokens": 1, **CHAT}
+    async with traced_gateway(settings, environ) as url, asyncio.timeout(20):
+        while True:  # until the snapshot (refreshed every second) trusts the deployment
+            response = await client.post(url + "/v1/chat/completions", json=quick)
+            assert response.status_code == 200
+            view = (await client.get(url + "/admin/latency")).json()
+            if (view["deployments"].get(deployment) or {}).get("trusted"):
+                break
+        slow = await client.post(url + "/v1/chat/completions", json={**quick, "max_tokens": 60})
+        request_id = slow.headers["x-request-id"]
+        await collector.receiver.wait_for(lambda _: exported(collector, request_id))
+        metrics = (await client.get(url + "/metrics")).text
+    (server,) = collector.receiver.of_kind("SERVER")
+    assert server.attributes[sc.TG_SLOW] is True
+    counts = decisions(metrics)
+    assert counts[("exported", "slow")] == 1
+    assert counts[("dropped", "rest")] >= 5
+    assert sum(v for (decision, _), v in counts.items() if decision == "exported") == 1
+
+
 async def test_share_of_one_exports_every_trace(
     collector: Collector, primary: Sim, fallback: Sim, client: httpx.AsyncClient
 ) -> None:
