@@ -3,7 +3,8 @@
 Each limit is a token bucket that holds a minute's allowance and refills continuously, so a key
 can burst up to its limit and then goes at the limit's rate. With Redis, both of a key's buckets
 are checked and charged by one Lua script: one round trip, atomic across replicas, timed by
-Redis's own clock. A request is charged its estimated tokens when admitted (what it may write:
+Redis's own clock; the checks of one key made in the same turn of the event loop go in one call,
+applied in order. A request is charged its estimated tokens when admitted (what it may write:
 its max_tokens, else what its model is expected to write); `settle` corrects the charge with the
 tokens the upstream reported, in the background: corrections are summed per key and sent every
 100 ms, so a busy key costs one round trip per request, not two. Usage beyond the charge is
@@ -15,7 +16,7 @@ policy decides: `open` enforces the same limits in this process alone, `closed` 
 request with 503. The breaker opens once per outage (the checks that fail together are one
 failure), for 1 s, doubling with each failed probe to 30 s; after the cooldown one check probes
 Redis while the others are decided without it, and a probe that succeeds closes the breaker.
-The timeout counts Redis's time, not this process's: see `_Deadline`.
+The timeout counts Redis's time, not this process's: see `gateway.redis.Deadline`.
 """
 
 from __future__ import annotations
@@ -38,56 +39,65 @@ from gateway.config import RateLimitSpec, Settings
 from gateway.errors import KeyRateLimitedError, OverloadedError
 from gateway.latency import LatencyStore
 from gateway.models import Call, Wire
-from gateway.redis import RedisClient, connect_redis
+from gateway.redis import Deadline, RedisClient, connect_redis, max_wait_s
 
 log = logging.getLogger("tailguard")
 
 _WINDOW_MS = 60_000
 
-# KEYS: the requests bucket, the tokens bucket. ARGV: rpm, tpm (0: no limit), the request and
-# token costs, and 1 to check before charging (0: charge unconditionally, to settle a charge).
-# Returns: allowed, then per bucket: remaining, ms until full, ms until the cost would have fit.
+# KEYS: the requests bucket, the tokens bucket. ARGV: five per check, in order: rpm, tpm (0: no
+# limit), the request and token costs, and 1 to check before charging (0: charge
+# unconditionally, to settle a charge). The checks are applied one after the other, as separate
+# calls would be. Returns, per check: allowed, then per bucket: remaining, ms until full, ms
+# until the cost would have fit.
 _SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local limit = {tonumber(ARGV[1]), tonumber(ARGV[2])}
-local cost = {tonumber(ARGV[3]), tonumber(ARGV[4])}
-local level, wait = {}, {}
-local allowed = 1
-for i = 1, 2 do
-  if limit[i] > 0 then
-    local v = redis.call('HMGET', KEYS[i], 'l', 't')
-    local l, at = tonumber(v[1]), tonumber(v[2])
-    if l == nil or at == nil then l, at = limit[i], now end
-    l = math.min(limit[i], l + math.max(0, now - at) * limit[i] / 60000)
-    level[i] = l
-    wait[i] = 0
-    if l < cost[i] then
-      wait[i] = math.ceil((cost[i] - l) * 60000 / limit[i])
-      if ARGV[5] == '1' then allowed = 0 end
+local out = {}
+for base = 0, #ARGV - 5, 5 do
+  local limit = {tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])}
+  local cost = {tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])}
+  local level, wait = {}, {}
+  local allowed = 1
+  for i = 1, 2 do
+    if limit[i] > 0 then
+      local v = redis.call('HMGET', KEYS[i], 'l', 't')
+      local l, at = tonumber(v[1]), tonumber(v[2])
+      if l == nil or at == nil then l, at = limit[i], now end
+      l = math.min(limit[i], l + math.max(0, now - at) * limit[i] / 60000)
+      level[i] = l
+      wait[i] = 0
+      if l < cost[i] then
+        wait[i] = math.ceil((cost[i] - l) * 60000 / limit[i])
+        if ARGV[base + 5] == '1' then allowed = 0 end
+      end
     end
   end
-end
-local out = {allowed}
-for i = 1, 2 do
-  if limit[i] > 0 then
-    local l = level[i]
-    if allowed == 1 then l = math.min(limit[i], l - cost[i]) end
-    local full = math.ceil((limit[i] - l) * 60000 / limit[i])
-    redis.call('HSET', KEYS[i], 'l', tostring(l), 't', now)
-    -- A missing bucket is a full one: keep this one until it is, so that no debt is forgiven.
-    redis.call('PEXPIRE', KEYS[i], full + 1000)
-    out[#out + 1] = math.floor(l)
-    out[#out + 1] = full
-    out[#out + 1] = wait[i]
-  else
-    out[#out + 1] = 0
-    out[#out + 1] = 0
-    out[#out + 1] = 0
+  out[#out + 1] = allowed
+  for i = 1, 2 do
+    if limit[i] > 0 then
+      local l = level[i]
+      if allowed == 1 then l = math.min(limit[i], l - cost[i]) end
+      local full = math.ceil((limit[i] - l) * 60000 / limit[i])
+      redis.call('HSET', KEYS[i], 'l', tostring(l), 't', now)
+      -- A missing bucket is a full one: keep this one until it is, so that no debt is forgiven.
+      redis.call('PEXPIRE', KEYS[i], full + 1000)
+      out[#out + 1] = math.floor(l)
+      out[#out + 1] = full
+      out[#out + 1] = wait[i]
+    else
+      out[#out + 1] = 0
+      out[#out + 1] = 0
+      out[#out + 1] = 0
+    end
   end
 end
 return out
 """
+_OUT = 7  # values the script returns per check
+_Check = tuple[tuple[int, int], tuple[int, int], bool]  # limits, costs, check before charging
+# A check waiting for its batch: limits, costs, and where its answer goes.
+_Waiting = tuple[tuple[int, int], tuple[int, int], "asyncio.Future[tuple[list[Any], str]]"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +240,8 @@ class RateLimiter:
         self._settling: set[asyncio.Task[None]] = set()
         self._owed: dict[tuple[str, int], int] = {}  # (key name, tpm) -> tokens not yet settled
         self._settle_timer: asyncio.TimerHandle | None = None
+        # Checks made in this turn of the event loop, per key, sent together on the next.
+        self._batches: dict[str, list[_Waiting]] = {}
         self.store_errors = 0  # checks the store failed to answer
         self.outages = 0  # times the breaker opened: one per failure episode
         self.loop_lag_waits = 0  # checks given more time because this process's loop was late
@@ -291,7 +303,7 @@ class RateLimiter:
                 kind="tokens",
                 headers={"x-should-retry": "false"},
             )
-        out, source = await self._call(principal.name, limits, (1, tokens), check=True)
+        out, source = await self._check(principal.name, limits, (1, tokens))
         verdict = _verdict(out, limits, source)
         if not verdict.allowed:
             refusal = verdict.refusal(principal, wire)
@@ -327,29 +339,89 @@ class RateLimiter:
     async def _settle(self, name: str, limits: tuple[int, int], delta: int) -> None:
         # The store down under `closed`: the correction is lost, never a request.
         with contextlib.suppress(OverloadedError):
-            await self._call(name, limits, (0, delta), check=False)
+            await self._call(name, [(limits, (0, delta), False)])
 
-    async def _call(
-        self, name: str, limits: tuple[int, int], costs: tuple[int, int], *, check: bool
+    async def _check(
+        self, name: str, limits: tuple[int, int], costs: tuple[int, int]
     ) -> tuple[list[Any], str]:
+        """One check, sent with the other checks of the same key made in this turn of the event
+        loop: one script call, one round trip, for all of them."""
         if self._script is None:
-            return self._fallback(name, limits, costs, check)
+            return self._fallback(name, [(limits, costs, True)])[0][0], "local"
+        loop = asyncio.get_running_loop()
+        waiting = self._batches.get(name)
+        if waiting is None:
+            waiting = self._batches[name] = []
+            loop.call_soon(self._send_batch, name)
+        answer: asyncio.Future[tuple[list[Any], str]] = loop.create_future()
+        waiting.append((limits, costs, answer))
+        return await answer
+
+    def _send_batch(self, name: str) -> None:
+        batch = self._batches.pop(name, [])
+        task = asyncio.create_task(self._answer_batch(name, batch))
+        self._settling.add(task)  # held until done, like a settle
+        task.add_done_callback(self._settling.discard)
+
+    async def _answer_batch(self, name: str, batch: list[_Waiting]) -> None:
+        if self._backoff_s > 0 and len(batch) > 1:
+            # The breaker is open or half-open: at most one check probes Redis; the others are
+            # decided now, not after the probe's timeout.
+            self._answer(batch[1:], lambda checks: self._fallback(name, checks))
+            batch = batch[:1]
+        try:
+            outs, source = await self._call(name, [(lim, cost, True) for lim, cost, _ in batch])
+        except asyncio.CancelledError:
+            for _, _, answer in batch:
+                answer.cancel()
+            raise
+        except Exception as exc:  # every waiting check gets the error (the policy's 503)
+            for _, _, answer in batch:
+                if not answer.done():
+                    answer.set_exception(exc)
+            return
+        for (_, _, answer), out in zip(batch, outs, strict=True):
+            if not answer.done():  # a request that left meanwhile was charged all the same
+                answer.set_result((out, source))
+
+    @staticmethod
+    def _answer(
+        batch: list[_Waiting],
+        decide: Callable[[list[_Check]], tuple[list[list[Any]], str]],
+    ) -> None:
+        try:
+            outs, source = decide([(lim, cost, True) for lim, cost, _ in batch])
+        except Exception as exc:
+            for _, _, answer in batch:
+                answer.set_exception(exc)
+            return
+        for (_, _, answer), out in zip(batch, outs, strict=True):
+            answer.set_result((out, source))
+
+    async def _call(self, name: str, checks: list[_Check]) -> tuple[list[list[Any]], str]:
+        """Apply `checks` (limits, costs, check first) to one key in order, in one round trip."""
+        if self._script is None:
+            return self._fallback(name, checks)
         probe = self._backoff_s > 0
         if probe and (self._probing or self._clock() < self._retry_at):
-            return self._fallback(name, limits, costs, check)
+            return self._fallback(name, checks)
         # A failure opens the breaker only if it did not open meanwhile: one outage, one opening.
         outage = self.outages
         if probe:
             self._probing = True
         keys = [f"tg:rl:{{{name}}}:requests", f"tg:rl:{{{name}}}:tokens"]
-        args = [limits[0], limits[1], costs[0], costs[1], 1 if check else 0]
+        args = [
+            value
+            for limits, costs, check in checks
+            for value in (limits[0], limits[1], costs[0], costs[1], 1 if check else 0)
+        ]
         try:
             out = await self._run(keys, args)
         except (RedisError, OSError, TimeoutError) as exc:
-            self.store_errors += 1
+            self.store_errors += len(checks)
             if outage == self.outages:
                 self._trip(exc)
-            return self._fallback(name, limits, costs, check)
+            return self._fallback(name, checks)
         finally:
             if probe:
                 self._probing = False
@@ -357,30 +429,29 @@ class RateLimiter:
         # since may be failing.
         if outage == self.outages:
             self._backoff_s = 0.0
-        return [int(v) for v in out], "redis"
+        values = [int(v) for v in out]
+        return [values[i : i + _OUT] for i in range(0, len(values), _OUT)], "redis"
 
     async def _run(self, keys: list[str], args: list[int]) -> Any:
-        """The script's round trip, given `timeout_ms` of Redis's time (see `_Deadline`)."""
+        """The script's round trip, given `timeout_ms` of Redis's time (see `Deadline`)."""
         script = self._script
         assert script is not None
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(None) as scope:
-            deadline = _Deadline(loop, scope, self._timeout_s)
+            deadline = Deadline(loop, scope, self._timeout_s)
             try:
                 return await script(keys=keys, args=args)
             finally:
                 deadline.cancel()
                 self.loop_lag_waits += deadline.extended
 
-    def _fallback(
-        self, name: str, limits: tuple[int, int], costs: tuple[int, int], check: bool
-    ) -> tuple[list[Any], str]:
+    def _fallback(self, name: str, checks: list[_Check]) -> tuple[list[list[Any]], str]:
         if self._redis is not None and not self._fail_open:
             raise OverloadedError(
                 "Rate limits cannot be checked right now; the request was not sent.",
                 retry_after_s=max(1.0, self._retry_at - self._clock()),
             )
-        return self._local.take(name, limits, costs, check), "local"
+        return [self._local.take(name, lim, cost, check) for lim, cost, check in checks], "local"
 
     def _trip(self, exc: BaseException) -> None:
         self.outages += 1
@@ -408,53 +479,6 @@ class RateLimiter:
 
 
 SETTLE_EVERY_S = 0.1  # corrections of token charges are summed per key and sent this often
-
-
-def _max_wait_s(timeout_s: float) -> float:
-    """The longest a check may wait on Redis while the loop is late: 10x the timeout, at most
-    1 s more than it."""
-    return timeout_s + min(9 * timeout_s, 1.0)
-
-
-class _Deadline:
-    """Expires an `asyncio.timeout` scope once Redis has had `timeout_s` to answer, counted
-    while this process's event loop could have read the answer.
-
-    A plain timeout counts the loop's own lag: on a saturated or briefly blocked loop the timer
-    fires after Redis's answer arrived but before the loop read it (and redis-py's
-    socket_timeout is the same kind of asyncio timer, so it cannot tell them apart either). A
-    timer that fires more than a tenth of the timeout late says the loop, not Redis, was slow:
-    since that loop turn has already polled the sockets, an answer that arrived meanwhile is
-    being read, so the wait is extended by the timeout, counted from now, up to `_max_wait_s`.
-    A timer that fires on time expires the scope on the loop's next turn, so that an answer
-    read on this one still wins.
-    """
-
-    __slots__ = ("_due", "_give_up_at", "_handle", "_loop", "_scope", "_timeout_s", "extended")
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, scope: asyncio.Timeout, timeout_s: float
-    ) -> None:
-        now = loop.time()
-        self._loop = loop
-        self._scope = scope
-        self._timeout_s = timeout_s
-        self._due = now + timeout_s
-        self._give_up_at = now + _max_wait_s(timeout_s)
-        self._handle = loop.call_at(self._due, self._fire)
-        self.extended = 0
-
-    def _fire(self) -> None:
-        now = self._loop.time()
-        if now - self._due > self._timeout_s / 10 and self._due < self._give_up_at:
-            self.extended += 1
-            self._due = min(now + self._timeout_s, self._give_up_at)
-            self._handle = self._loop.call_at(self._due, self._fire)
-        else:
-            self._scope.reschedule(now)
-
-    def cancel(self) -> None:
-        self._handle.cancel()
 
 
 def _verdict(out: list[Any], limits: tuple[int, int], source: str) -> Verdict:
@@ -486,7 +510,7 @@ def open_rate_limiter(
         timeout_s = spec.timeout_ms / 1000
         redis = connect_redis(
             url.get_secret_value(),
-            timeout_s=_max_wait_s(timeout_s) + timeout_s,
+            timeout_s=max_wait_s(timeout_s) + timeout_s,
             max_connections=32,
             wait_for_connection=True,
         )

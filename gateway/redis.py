@@ -8,6 +8,7 @@ commands mean and when to try again.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -234,3 +235,50 @@ def connect_redis(
     assert isinstance(master, _SentinelMaster)
     master.sentinels = tuple(sentinel.sentinels)
     return master
+
+
+def max_wait_s(timeout_s: float) -> float:
+    """The longest a check may wait on Redis while the loop is late: 10x the timeout, at most
+    1 s more than it."""
+    return timeout_s + min(9 * timeout_s, 1.0)
+
+
+class Deadline:
+    """Expires an `asyncio.timeout` scope once Redis has had `timeout_s` to answer, counted
+    while this process's event loop could have read the answer.
+
+    A plain timeout counts the loop's own lag: on a saturated or briefly blocked loop the timer
+    fires after Redis's answer arrived but before the loop read it (and redis-py's
+    socket_timeout is the same kind of asyncio timer, so it cannot tell them apart either). A
+    timer that fires more than a tenth of the timeout late says the loop, not Redis, was slow:
+    since that loop turn has already polled the sockets, an answer that arrived meanwhile is
+    being read, so the wait is extended by the timeout, counted from now, up to `max_wait_s`.
+    A timer that fires on time expires the scope on the loop's next turn, so that an answer
+    read on this one still wins.
+    """
+
+    __slots__ = ("_due", "_give_up_at", "_handle", "_loop", "_scope", "_timeout_s", "extended")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, scope: asyncio.Timeout, timeout_s: float
+    ) -> None:
+        now = loop.time()
+        self._loop = loop
+        self._scope = scope
+        self._timeout_s = timeout_s
+        self._due = now + timeout_s
+        self._give_up_at = now + max_wait_s(timeout_s)
+        self._handle = loop.call_at(self._due, self._fire)
+        self.extended = 0
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        if now - self._due > self._timeout_s / 10 and self._due < self._give_up_at:
+            self.extended += 1
+            self._due = min(now + self._timeout_s, self._give_up_at)
+            self._handle = self._loop.call_at(self._due, self._fire)
+        else:
+            self._scope.reschedule(now)
+
+    def cancel(self) -> None:
+        self._handle.cancel()

@@ -337,6 +337,33 @@ async def test_settles_of_a_key_are_summed_into_one_round_trip(redis_server: Red
         await limiter.aclose()
 
 
+async def test_checks_of_a_key_in_one_loop_turn_share_one_round_trip(
+    redis_server: RedisServer,
+) -> None:
+    """Eight requests of one key arriving together are checked by one script call, in order: the
+    first five of an rpm of 5 are let through with a falling remainder, the other three refused.
+    Another key's checks go in their own call."""
+    client = connect_redis(redis_server.url, wait_for_connection=True, max_connections=8)
+    limiter = RateLimiter(RateLimitSpec(), client)
+    burst, other = Principal(name="burst", rpm=5), Principal(name="other", rpm=5)
+    try:
+        await limiter.take(other, 0)  # the script is loaded: what follows is EVALSHA alone
+        before = await evalsha_calls(client)
+        results = await asyncio.gather(
+            *(limiter.take(burst, 0) for _ in range(8)),
+            limiter.take(other, 0),
+            return_exceptions=True,
+        )
+        assert await evalsha_calls(client) - before == 2
+        allowed = [r for r in results[:8] if not isinstance(r, BaseException)]
+        refused = [r for r in results[:8] if isinstance(r, BaseException)]
+        assert [v.requests.remaining for v in allowed if v.requests is not None] == [4, 3, 2, 1, 0]
+        assert len(refused) == 3 and all("requests per min" in str(r) for r in refused)
+        assert not isinstance(results[8], BaseException)
+    finally:
+        await limiter.aclose()
+
+
 async def test_a_request_refused_after_its_charge_gets_its_tokens_back(
     upstream: Upstream, http: httpx.AsyncClient
 ) -> None:
