@@ -367,7 +367,7 @@ class RateLimiter:
         if self._backoff_s > 0 and len(batch) > 1:
             # The breaker is open or half-open: at most one check probes Redis; the others are
             # decided now, not after the probe's timeout.
-            self._answer(batch[1:], lambda checks: self._fallback(name, checks))
+            _answer_now(batch[1:], lambda checks: self._fallback(name, checks))
             batch = batch[:1]
         try:
             outs, source = await self._call(name, [(lim, cost, True) for lim, cost, _ in batch])
@@ -383,20 +383,6 @@ class RateLimiter:
         for (_, _, answer), out in zip(batch, outs, strict=True):
             if not answer.done():  # a request that left meanwhile was charged all the same
                 answer.set_result((out, source))
-
-    @staticmethod
-    def _answer(
-        batch: list[_Waiting],
-        decide: Callable[[list[_Check]], tuple[list[list[Any]], str]],
-    ) -> None:
-        try:
-            outs, source = decide([(lim, cost, True) for lim, cost, _ in batch])
-        except Exception as exc:
-            for _, _, answer in batch:
-                answer.set_exception(exc)
-            return
-        for (_, _, answer), out in zip(batch, outs, strict=True):
-            answer.set_result((out, source))
 
     async def _call(self, name: str, checks: list[_Check]) -> tuple[list[list[Any]], str]:
         """Apply `checks` (limits, costs, check first) to one key in order, in one round trip."""
@@ -479,6 +465,20 @@ class RateLimiter:
 
 
 SETTLE_EVERY_S = 0.1  # corrections of token charges are summed per key and sent this often
+
+
+def _answer_now(
+    batch: list[_Waiting],
+    decide: Callable[[list[_Check]], tuple[list[list[Any]], str]],
+) -> None:
+    try:
+        outs, source = decide([(lim, cost, True) for lim, cost, _ in batch])
+    except Exception as exc:
+        for _, _, answer in batch:
+            answer.set_exception(exc)
+        return
+    for (_, _, answer), out in zip(batch, outs, strict=True):
+        answer.set_result((out, source))
 
 
 def _verdict(out: list[Any], limits: tuple[int, int], source: str) -> Verdict:
