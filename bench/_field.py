@@ -105,9 +105,10 @@ MODELS: Final = (MODEL, PACED_MODEL)
 PROMPT: Final = "Explain in one sentence why tail latency matters for interactive LLM applications."
 FIELD_RATES: Final = (20.0, 100.0)
 MIN_OPEN_REQUESTS: Final = 300  # per open-loop window: p99 then rests on the 3 slowest, not 1
-PROXIES: Final = ("tailguard", "litellm", "portkey", "nginx", "reference")
+PROXIES: Final = ("tailguard", "baseline", "litellm", "portkey", "nginx", "reference")
 ROLES: Final = {  # path -> its role in the Stack (and so its CPU pinning)
     "tailguard": "gateway",
+    "baseline": "gateway",
     "litellm": "litellm",
     "portkey": "portkey",
     "nginx": "nginx",
@@ -139,6 +140,7 @@ class FieldOptions:
     json_path: Path
     keep_logs: bool
     rates: tuple[float, ...] = FIELD_RATES
+    baseline: Path | None = None  # another checkout, run as the path `baseline`
 
 
 @dataclass(frozen=True, slots=True)
@@ -655,6 +657,10 @@ def _run(
         ).pid
     }
     versions: dict[str, str] = contenders.tool_versions()
+    if opts.baseline is not None:
+        ports["baseline"] = free_port()
+        roots["baseline"] = _start_baseline(stack, opts.baseline, ports, otlp_port).pid
+        versions["baseline"] = _revision(opts.baseline)
     if litellm is not None and litellm.path is not None:
         ports["litellm"] = free_port()
         roots["litellm"] = contenders.start_litellm(
@@ -799,6 +805,43 @@ def _run(
     # A contender's failures are its result, shown in the table; ours fail the run.
     ours = sum(summary[p]["errors"] for p in ("direct", "tailguard", "reference") if p in summary)
     return 1 if missed or ours else 0
+
+
+def _start_baseline(
+    stack: Stack, checkout: Path, ports: dict[str, int], otlp_port: int
+) -> subprocess.Popen[bytes]:
+    """Tailguard from `checkout`, every feature on, with a Redis of its own (the two must not
+    share statistics or rate-limit buckets). `python -m gateway` imports the package of its
+    working directory first, so the process runs that checkout's code."""
+    redis_port = free_port()
+    contenders.start_redis(stack, redis_port, "redis-baseline.log")
+    here, stack.cwd = stack.cwd, checkout
+    try:
+        return contenders.start_tailguard(
+            stack,
+            port=ports["baseline"],
+            upstream_port=ports["direct"],
+            redis_port=redis_port,
+            otlp_port=otlp_port,
+            models=MODELS,
+            name="baseline",
+        )
+    finally:
+        stack.cwd = here
+
+
+def _revision(checkout: Path) -> str:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(checkout), "log", "-1", "--format=%h %cs"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return str(checkout)
+    return done.stdout.strip() or str(checkout)
 
 
 def _auth_state(port: int) -> str:

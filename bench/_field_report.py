@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 LABELS: Final = {
     "direct": "direct",
     "tailguard": "Tailguard",
+    "baseline": "Tailguard (baseline)",
     "litellm": "LiteLLM",
     "portkey": "Portkey",
     "nginx": "nginx",
@@ -245,7 +246,7 @@ def ratios(summary: dict[str, dict[str, Any]], opts: FieldOptions) -> list[str]:
     keys += [(f"added p99 @{r:g}", f"open{r:g}_added_p99_ms") for r in opts.rates]
     keys.append(("added TTFT p99", "ttft_added_p99_ms"))
     out = []
-    for other in ("litellm", "portkey", "nginx", "reference"):
+    for other in ("baseline", "litellm", "portkey", "nginx", "reference"):
         if other not in summary:
             continue
         failed = {  # figures of phases in which every request failed, on either side

@@ -545,14 +545,29 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         action="store_true",
         help="sample the gateway with py-spy under saturation; measure what each feature costs",
     )
+    field.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="CHECKOUT",
+        help="also Tailguard from another checkout (e.g. a `git worktree` of an older commit), "
+        "every feature on, as one more path of the same run",
+    )
     args = parser.parse_args(argv)
+    if args.baseline is not None and not (args.baseline / "gateway" / "__main__.py").exists():
+        parser.error(f"--baseline: {args.baseline} holds no gateway package")
     duration = 2.5 if args.quick else args.duration
     if min(duration, args.rate, args.stream_rate, args.paced_tps, args.concurrency) <= 0:
         parser.error("--duration, --rate, --stream-rate, --paced-tps, --concurrency: must be > 0")
     if args.repeat < 1 or not 1 <= args.workers <= 64:
         parser.error("--repeat: at least 1; --workers: 1 to 64")
     against = (
-        args.litellm or args.portkey or args.nginx or args.field or args.workers > 1 or args.profile
+        args.litellm
+        or args.portkey
+        or args.nginx
+        or args.field
+        or args.workers > 1
+        or args.profile
+        or args.baseline is not None
     )
     field_options = None
     if against:
@@ -575,6 +590,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
             profile=args.profile,
             json_path=json_path,
             keep_logs=args.keep_logs,
+            baseline=args.baseline.resolve() if args.baseline is not None else None,
         )
     return Options(
         duration_s=duration,
