@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -443,8 +444,13 @@ async def test_redis_outage_under_load_fails_no_request_and_recovers(
     assert health["latency_store"]["last_error"] is not None
     assert latency["deployments"]["sim/tiny"]["errors"] == 0
     during = load.served_between(killed_at, restarted_at)
-    assert len(during) >= 20, len(during)
-    assert p99(during) < 1.0, during[-5:]
+    before = load.served_between(0.0, killed_at)
+    assert len(during) >= 20 and len(before) >= 20, (len(during), len(before))
+    # A request that waited on the dead Redis would pay at least its 250 ms timeout: the median
+    # would move by that much. The tail is left to the machine (a shared CI box stalls at times);
+    # only a hang would fail it.
+    assert statistics.median(during) < statistics.median(before) + 0.2, (during, before)
+    assert p99(during) < 5.0, during[-5:]
     assert recovered["latency_store"]["last_ok_at"] is not None
     assert back["models"]["shared"]["requests"] > 0
 
