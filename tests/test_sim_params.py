@@ -82,6 +82,18 @@ ORDER_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 HELLO: Any = [{"role": "user", "content": "hello there"}]
+# An assistant turn that called the weather tool (its result follows as a `tool` message).
+CALLED_WEATHER: Any = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+        }
+    ],
+}
 
 
 def chat(model: str = "m", messages: Any = None, **extra: Any) -> dict[str, Any]:
@@ -297,17 +309,7 @@ async def test_tool_choice_decides_whether_and_which_tool_is_called() -> None:
     called; `tool_call_rate` 0 makes `auto` answer in text."""
     after_result = [
         *HELLO,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
-                }
-            ],
-        },
+        CALLED_WEATHER,
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     async with sim(SimProfile(output_tokens=5)) as s:
@@ -627,17 +629,7 @@ async def test_tokenize_counts_what_usage_reports() -> None:
     conversation = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "What is the weather?"}]},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
-                }
-            ],
-        },
+        CALLED_WEATHER,
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"},
     ]
     async with sim(SimProfile(max_input_tokens=4000)) as s:
