@@ -180,6 +180,9 @@ class ServerState:
     failures: int = 0
     last_error: str | None = None
     scrapes: int = 0
+    # The server's batch slots, learned: the most requests it ran while others still waited (a
+    # server queues only once it is full). None until it has been seen full.
+    slots: float | None = None
     clock: Callable[[], float] = field(default=time.monotonic)
     # recent_ttft_p50's answer and the scrape it belongs to: computed once per scrape, not per
     # request (a histogram difference and a quantile cost ~15 us).
@@ -238,6 +241,8 @@ async def scrape_forever(
             if state.failures:
                 logger.info("vLLM metrics back at %s", state.url)
             state.previous, state.load = state.load, load
+            if load.waiting > 0 and load.running > (state.slots or 0.0):
+                state.slots = load.running
             state.failures = 0
             state.last_error = None
             state.scrapes += 1
