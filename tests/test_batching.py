@@ -305,7 +305,10 @@ async def test_bulk_chat_waits_for_a_slot_and_vllm_gets_its_priority(
 ) -> None:
     """Bulk chat beyond the deployment's bulk concurrency waits (server-timing `queue`), and a
     vLLM provider with `bulk_priority` receives it as the request's `priority`."""
-    async with recorded_sim(tokens_per_s=50, output_tokens=10) as (upstream, recorder):
+    async with recorded_sim(tokens_per_s=50, output_tokens=10, scheduling_policy="priority") as (
+        upstream,
+        recorder,
+    ):
         settings = gateway_settings(
             {"up": {"type": "vllm", "base_url": upstream.base_url, "bulk_priority": 7}},
             [{"name": "chat", "deployments": [{"provider": "up", "model": "m"}]}],

@@ -472,7 +472,7 @@ async def test_a_vllm_server_serves_it_translated(upstream: Upstream) -> None:
     and the answer is a Response with the server's usage."""
     settings = gateway_settings(
         {"vllm": {"type": "vllm", "base_url": upstream.base_url, "bulk_priority": 5}},
-        _models(("local", ["vllm/m"])),
+        _models(("local", ["vllm/m@scheduling_policy=priority"])),
     )
     async with (
         run_gateway(settings) as gw,

@@ -610,7 +610,7 @@ async def test_hints_and_what_the_gateway_adds_are_accepted() -> None:
         "parallel_tool_calls": True,
         "top_k": 20,
     }
-    async with sim() as s:
+    async with sim(SimProfile(scheduling_policy="priority")) as s:
         await s.ok("/v1/chat/completions", chat(**hints))
         await s.events("/v1/chat/completions", chat(stream_options={"include_usage": True}))
         await s.ok(
@@ -879,7 +879,12 @@ async def test_bulk_requests_with_vllm_priority_are_served(upstream: Upstream) -
     `stream_options` to streams; the simulator accepts both."""
     settings = gateway_settings(
         {"up": {"type": "vllm", "base_url": upstream.base_url, "bulk_priority": 5}},
-        [{"name": "m", "deployments": [{"provider": "up", "model": "m"}]}],
+        [
+            {
+                "name": "m",
+                "deployments": [{"provider": "up", "model": "m@scheduling_policy=priority"}],
+            }
+        ],
     )
     bulk = {"x-tailguard-priority": "bulk"}
     async with (

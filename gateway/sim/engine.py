@@ -1,10 +1,12 @@
 """The simulated LLM upstream: an OpenAI-compatible server modelled well enough to study latency.
 
-Time to first token is queueing (waiting FIFO for one of `max_batch` slots) plus prefill (a base
-cost plus a cost per prompt token, optionally with a heavy tail). Decoding runs at `tokens_per_s`,
-each step slower as the batch fills (continuous batching). A completions request with several
-prompts (or `n` > 1) runs one sequence per choice, each in its own slot, as vLLM does. Faults and
-every other random choice are drawn by the planner (`gateway.sim.planner`) from one seeded RNG.
+Time to first token is queueing (for one of `max_batch` slots, first come first served or by
+vLLM's request `priority`, with preemption) plus prefill (a base cost plus a cost per prompt
+token, optionally with a heavy tail). Decoding runs at `tokens_per_s`, each step slower as the
+batch fills (continuous batching), optionally speculative (`gateway.sim.decode`). A completions
+request with several prompts (or `n` > 1) runs one sequence per choice, each in its own slot, as
+vLLM does. Faults and every other random choice are drawn by the planner
+(`gateway.sim.planner`) from one seeded RNG.
 
 Every parameter a client sends is honoured (`n`, `stop`, `logprobs`, `tools` and `tool_choice`,
 `response_format`, `seed`, `max_tokens`, ...), accepted as a hint that changes nothing in a
@@ -188,6 +190,7 @@ class SimEngine:
             )
             self._planner.compose(plan, chat.generation, chat.max_tokens, text=text)
             plan.blocks = blocks
+            plan.priority = chat.priority
             plans.append(plan)
         if chat.stream:
             frames, head = self._writer.chat_frames(plans, include_usage=chat.include_usage)
@@ -226,6 +229,7 @@ class SimEngine:
                             prompt, generation.logprobs, rng
                         )
                 plan.blocks = blocks
+                plan.priority = completions.priority
                 plans.append(plan)
         # Prompt tokens count once per prompt, whatever n is.
         prompt_tokens = sum(tokens for _, tokens in completions.prompts)
@@ -273,7 +277,9 @@ class SimEngine:
         inputs = embeddings.inputs
         work_s = (profile.embed_base_ms + profile.embed_ms_per_input * len(inputs)) / 1000
         tokens = sum(t for _, t in inputs)
-        await self._timeline.work(target.pool, stall_s, work_s, cut, prompt_tokens=tokens)
+        await self._timeline.work(
+            target.pool, stall_s, work_s, cut, prompt_tokens=tokens, priority=embeddings.priority
+        )
         body = embeddings_body(model, inputs, embeddings.dims, b64=embeddings.base64, tokens=tokens)
         return json_reply(200, body)
 

@@ -1,8 +1,9 @@
 """vLLM's Prometheus `/metrics` page, driven by the simulator's real state.
 
 The queue gauges, an approximate KV-cache usage, the TTFT, inter-token, prefill and end-to-end
-histograms with vLLM's buckets, the token, prefix-cache and finished-request counters, per model
-name, under the current or the older (deprecated) names; the page can be made to fail.
+histograms with vLLM's buckets, the token, prefix-cache, preemption, speculative-decoding and
+finished-request counters, per model name, under the current or the older (deprecated) names;
+the page can be made to fail.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Final, Protocol
 from gateway.sim.profile import MetricsFault, MetricsNames
 from gateway.sim.wire import SimReply
 
-__all__ = ["METRICS_CONTENT_TYPE", "MetricsPage", "ModelMetrics"]
+__all__ = ["METRICS_CONTENT_TYPE", "MetricsPage", "ModelMetrics", "SpecCounters"]
 
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), in seconds.
@@ -74,6 +75,33 @@ class PoolGauges(Protocol):
     kv_capacity: int
 
 
+class SpecCounters:
+    """Speculative decoding's counters of one model name (vLLM's, per target step)."""
+
+    __slots__ = ("accepted", "draft_tokens", "drafts", "emitted", "per_pos")
+
+    def __init__(self, k: int) -> None:
+        self.drafts = 0  # target steps that verified a draft
+        self.draft_tokens = 0
+        self.accepted = 0
+        self.emitted = 0  # tokens the steps yielded: the accepted ones plus one each
+        self.per_pos = [0] * k  # steps whose draft position i was accepted
+
+    def widen(self, k: int) -> None:
+        """Room for drafts of `k` tokens (another override of the name drafts more)."""
+        if k > len(self.per_pos):
+            self.per_pos.extend([0] * (k - len(self.per_pos)))
+
+    def step(self, k: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += k
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        per_pos = self.per_pos
+        for i in range(accepted):
+            per_pos[i] += 1
+
+
 class ModelMetrics:
     """vLLM's series for one served model name (over every batch pool of that name)."""
 
@@ -83,10 +111,12 @@ class ModelMetrics:
         "generation_tokens",
         "itl",
         "pools",
+        "preemptions",
         "prefill",
         "prefix_hits",
         "prefix_queries",
         "prompt_tokens",
+        "spec",
         "ttft",
     )
 
@@ -96,6 +126,8 @@ class ModelMetrics:
         self.generation_tokens = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which were found there
+        self.preemptions = 0
+        self.spec: SpecCounters | None = None  # None: no speculative decoding, no series
         self.finished = dict.fromkeys(FINISHED_REASONS, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
@@ -158,6 +190,8 @@ class MetricsPage:
         `prefix_cache_hits` count prompt tokens looked up in the prefix cache and found there
         (the legacy names: the `gpu_prefix_cache_hit_rate` gauge); the prefill histogram takes
         each sequence's simulated prefill time (what the cache did not hold), not a wall clock.
+        `num_preemptions_total` counts preempted sequences; the spec-decode series show only for
+        the model names that speculate (`_spec`).
         """
         current = self.names in ("current", "both")
         legacy = self.names in ("legacy", "both")
@@ -231,6 +265,12 @@ class MetricsPage:
             out.extend(
                 f"{name}_total{{{labels}}} {float(getattr(m, attr))!r}" for labels, m in series
             )
+        head("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.")
+        out.extend(
+            f"vllm:num_preemptions_total{{{labels}}} {float(m.preemptions)!r}"
+            for labels, m in series
+        )
+        _spec(out, head, series, current=current, legacy=legacy)
         head("vllm:request_success", "counter", "Count of successfully processed requests.")
         for labels, m in series:
             out.extend(
@@ -281,6 +321,68 @@ class MetricsPage:
                 pick(m).write(out, name, labels)
         out.append("")
         return "\n".join(out)
+
+
+def _spec(
+    out: list[str],
+    head: Callable[[str, str, str], None],
+    series: list[tuple[str, ModelMetrics]],
+    *,
+    current: bool,
+    legacy: bool,
+) -> None:
+    """Speculative decoding's series, for the model names that speculate (none: no series).
+
+    The current (V1) names count drafts, draft tokens, accepted tokens and accepted tokens per
+    draft position; the legacy (V0) ones add the acceptance rate and the system efficiency
+    (emitted tokens over the most the steps could have emitted, k + 1 each) as gauges, and the
+    emitted tokens. The accepted and draft token counters have the same name in both.
+    """
+    specs = [(labels, m.spec) for labels, m in series if m.spec is not None]
+    if not specs:
+        return
+
+    def counter(name: str, text: str, value: Callable[[SpecCounters], int]) -> None:
+        head(name, "counter", text)
+        out.extend(f"{name}_total{{{labels}}} {float(value(c))!r}" for labels, c in specs)
+
+    def gauge(name: str, text: str, value: Callable[[SpecCounters], float]) -> None:
+        head(name, "gauge", text)
+        out.extend(f"{name}{{{labels}}} {float(value(c))!r}" for labels, c in specs)
+
+    if legacy:
+        gauge(
+            "vllm:spec_decode_draft_acceptance_rate",
+            "Speculative token acceptance rate.",
+            lambda c: c.accepted / c.draft_tokens if c.draft_tokens else 0.0,
+        )
+        gauge(
+            "vllm:spec_decode_efficiency",
+            "Speculative decoding system efficiency.",
+            lambda c: c.emitted / (c.drafts * (len(c.per_pos) + 1)) if c.drafts else 0.0,
+        )
+    if current:
+        counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", lambda c: c.drafts
+        )
+    counter(
+        "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", lambda c: c.draft_tokens
+    )
+    counter(
+        "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", lambda c: c.accepted
+    )
+    if current:
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+        head(name, "counter", "Accepted tokens per draft position.")
+        out.extend(
+            f'{name}_total{{{labels},position="{i}"}} {float(n)!r}'
+            for labels, c in specs
+            for i, n in enumerate(c.per_pos)
+        )
+    if legacy:
+        counter(
+            "vllm:spec_decode_num_emitted_tokens", "Number of emitted tokens.", lambda c: c.emitted
+        )
 
 
 def _label_value(value: str) -> str:

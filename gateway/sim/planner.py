@@ -18,13 +18,14 @@ from typing import Final
 
 import orjson
 
-from gateway.sim.metrics import MetricsPage
+from gateway.sim.metrics import MetricsPage, SpecCounters
 from gateway.sim.options import Generation
 from gateway.sim.output import Output, compose
 from gateway.sim.prefix import PrefixCache
 from gateway.sim.profile import SimProfile, apply_overrides
-from gateway.sim.scheduler import Pool, SimStats
+from gateway.sim.scheduler import Pool, PriorityPool, SimStats
 from gateway.sim.schema import SchemaError
+from gateway.sim.speculative import Speculation
 from gateway.sim.text import TOKENS
 from gateway.sim.wire import (
     BadRequestError,
@@ -50,6 +51,9 @@ class Target:
     prefill_per_token_s: float
     step_s: float  # one decode step with the batch empty; 0: no decode delay
     cache: PrefixCache | None  # the model name's prefix cache; None: off
+    speculation: Speculation | None = None  # None: plain decoding
+    # Decoded step by step (`gateway.sim.decode`): priority scheduling or speculation is on.
+    stepwise: bool = False
 
     def prefill_s(self, tokens: int, factor: float) -> float:
         """The prefill of `tokens` prompt tokens, its tail factor applied."""
@@ -80,6 +84,8 @@ class Plan:
     blocks: list[bytes] | None = None  # the prompt's block hashes, when the model caches
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     output: Output | None = None  # None: plain pseudo-text of `n` tokens from `offset`
+    priority: int = 0  # the request's (vLLM's) priority: lower is served first
+    spec_rng: random.Random | None = None  # the draft acceptances, when the model speculates
 
     @property
     def ttft_s(self) -> float:
@@ -88,7 +94,8 @@ class Plan:
 
 
 class Deployments:
-    """Model names resolved to targets: one simulated deployment per name and batch size.
+    """Model names resolved to targets: one simulated deployment per name, batch size and
+    scheduling policy.
 
     `name@key=value,key=lo-hi` runs `name`'s profile (or the default) with fields replaced; a
     name is resolved once (up to a cache size), and its first use adds it to the metrics page.
@@ -105,7 +112,7 @@ class Deployments:
         self._default = default
         self._stats = stats
         self._page = page
-        self._pools: dict[tuple[str, int], Pool] = {}
+        self._pools: dict[tuple[str, int, str], Pool] = {}
         self._caches: dict[tuple[str, int], PrefixCache] = {}
         self.resolve = functools.lru_cache(maxsize=_OVERRIDE_CACHE_SIZE)(self._resolve_uncached)
 
@@ -120,12 +127,26 @@ class Deployments:
                 profile = apply_overrides(profile, spec)
             except ValueError as exc:
                 raise BadRequestError(f"bad override in model {model!r}: {exc}", "model") from None
-        pool_key = (name, profile.max_batch)
+        policy = profile.scheduling_policy
+        pool_key = (name, profile.max_batch, policy)
         pool = self._pools.get(pool_key)
+        metrics = self._page.model(name)
         if pool is None:
-            pool = self._pools[pool_key] = Pool(
-                profile.max_batch, self._stats, self._page.model(name), profile.kv_tokens_per_seq
+            kind = PriorityPool if policy == "priority" else Pool
+            pool = self._pools[pool_key] = kind(
+                profile.max_batch, self._stats, metrics, profile.kv_tokens_per_seq
             )
+        speculation = None
+        if profile.spec_tokens:
+            speculation = Speculation(
+                profile.spec_tokens,
+                profile.spec_acceptance,
+                profile.spec_verify_cost,
+                profile.spec_draft_cost,
+            )
+            if metrics.spec is None:
+                metrics.spec = SpecCounters(profile.spec_tokens)
+            metrics.spec.widen(profile.spec_tokens)
         cache = None
         if profile.prefix_cache_tokens:
             cache_key = (name, profile.prefix_cache_tokens)
@@ -140,6 +161,8 @@ class Deployments:
             prefill_per_token_s=profile.prefill_ms_per_token / 1000,
             step_s=1 / profile.tokens_per_s if profile.tokens_per_s else 0.0,
             cache=cache,
+            speculation=speculation,
+            stepwise=speculation is not None or policy == "priority",
         )
 
 
@@ -240,7 +263,7 @@ class Planner:
             stall_s, cut = request.stall_s, request.cut
         offset = words.randrange(len(TOKENS))
         arrived = time.monotonic() if request is None else request.arrived
-        return Plan(
+        plan = Plan(
             target,
             prompt_tokens,
             n,
@@ -254,6 +277,9 @@ class Planner:
             natural,
             factor,
         )
+        if target.speculation is not None:  # its own RNG: acceptances do not shift other draws
+            plan.spec_rng = random.Random(rng.getrandbits(64))
+        return plan
 
     def compose(
         self,

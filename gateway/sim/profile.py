@@ -10,7 +10,7 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-__all__ = ["MetricsFault", "MetricsNames", "SimProfile", "apply_overrides"]
+__all__ = ["MetricsFault", "MetricsNames", "SchedulingPolicy", "SimProfile", "apply_overrides"]
 
 
 def _split_range(value: object) -> object:
@@ -58,6 +58,8 @@ def _none_word(value: object) -> object:
 
 MetricsNames = Literal["current", "legacy", "both"]
 """The names `GET /metrics` serves: vLLM's current ones, the deprecated ones, or both."""
+SchedulingPolicy = Literal["fcfs", "priority"]
+"""vLLM's `--scheduling-policy`: first come first served, or by the request's `priority`."""
 MetricsFault = Literal["none", "error", "garbage"]
 """How `GET /metrics` fails: `error` answers 500, `garbage` 200 with non-Prometheus text."""
 
@@ -97,10 +99,23 @@ class SimProfile(BaseModel):
         0.0, description="Decode speed of one sequence alone; 0 means no decode delay."
     )
     max_batch: int = Field(
-        256, ge=1, description="Sequences decoded at once; more requests queue FIFO for a slot."
+        256,
+        ge=1,
+        description="Sequences decoded at once; more requests queue for a slot (see "
+        "`scheduling_policy`).",
     )
     batch_slowdown: NonNegative = Field(
         0.0, description="Extra step time at a full batch, as a fraction (1.0: twice as slow)."
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        "fcfs",
+        description="vLLM's `--scheduling-policy`: `fcfs` queues first come, first served and "
+        "refuses a non-zero request `priority` with a 400, as vLLM does; `priority` queues by "
+        "(priority, arrival), a lower value first, and a request that finds every slot taken "
+        "preempts the running sequence of the lowest priority (the latest arrival among equals) "
+        "if that is strictly lower than its own. The preempted sequence goes back to its place "
+        "in the queue and, scheduled again, prefills its prompt and the tokens it generated "
+        "(vLLM's recompute) before going on; counted in `vllm:num_preemptions_total`.",
     )
     output_tokens: TokenRange = Field(
         16,
@@ -112,6 +127,31 @@ class SimProfile(BaseModel):
         "as `delta.reasoning_content` (vLLM's field), `message.reasoning_content` in a whole "
         "body, counted in `usage.completion_tokens_details.reasoning_tokens`. They take decode "
         "time like any token, and the request's max_tokens caps reasoning and answer together.",
+    )
+    # Speculative decoding.
+    spec_tokens: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Speculative decoding: draft tokens proposed per decode step (vLLM's "
+        "`num_speculative_tokens`); 0 turns it off. Each step then costs `1 + spec_tokens x "
+        "(spec_verify_cost + spec_draft_cost)` plain steps and yields one token plus the "
+        "accepted run of the draft, streamed back to back; TTFT is unchanged.",
+    )
+    spec_acceptance: Rate = Field(
+        0.7,
+        description="Chance that each draft token agrees with the target (independently); the "
+        "first that does not ends the step's accepted run.",
+    )
+    spec_verify_cost: NonNegative = Field(
+        0.02,
+        description="Extra cost of verifying one draft token, as a fraction of a plain decode "
+        "step (a forward pass over k + 1 positions costs little more than over one).",
+    )
+    spec_draft_cost: NonNegative = Field(
+        0.05,
+        description="Cost of drafting one token, as a fraction of a plain decode step (a small "
+        "draft model; an EAGLE-style head costs less).",
     )
     # Tool calls and the prefix cache.
     tool_call_rate: Rate = Field(

@@ -1,8 +1,8 @@
 """Request bodies read and checked: every parameter honoured, accepted as a hint, or refused.
 
 Each endpoint has an allow-list. A parameter the simulator honours changes what it generates
-(`n`, `stop`, `logprobs`, `tools`, `response_format`, `seed`, ...); a hint (`temperature`,
-`user`, `service_tier`, vLLM's `priority`, ...) is accepted and has nothing to change in a
+(`n`, `stop`, `logprobs`, `tools`, `response_format`, `seed`, vLLM's `priority`, ...); a hint
+(`temperature`, `user`, `service_tier`, ...) is accepted and has nothing to change in a
 simulation; anything else is refused with a 400 naming it, code `unsupported_parameter`, and
 so is a value the simulator cannot honour (audio output, a tool schema it cannot satisfy). A
 request is checked completely, in a fixed order, before anything is drawn or waited for.
@@ -57,7 +57,6 @@ _HINTS: Final = frozenset(
         "frequency_penalty",
         "logit_bias",
         "user",
-        "priority",  # vLLM's priority scheduling: the gateway sends it for bulk requests
         "top_k",
         "min_p",
         "repetition_penalty",
@@ -65,6 +64,7 @@ _HINTS: Final = frozenset(
 )
 _CHAT_KEYS: Final = _HINTS | {
     "model",
+    "priority",  # vLLM's priority scheduling: the gateway sends it for bulk requests
     "messages",
     "stream",
     "stream_options",
@@ -100,6 +100,7 @@ _CHAT_REFUSED: Final = frozenset(
 )
 _COMPLETIONS_KEYS: Final = _HINTS | {
     "model",
+    "priority",
     "prompt",
     "stream",
     "stream_options",
@@ -147,6 +148,7 @@ class ChatRequest:
     seed: int | None
     n: int
     generation: Generation = field(default_factory=Generation)
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -161,6 +163,7 @@ class CompletionsRequest:
     seed: int | None
     per_prompt: int  # `n`: choices per prompt
     generation: Generation = field(default_factory=Generation)
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -170,6 +173,7 @@ class EmbeddingsRequest:
     inputs: list[tuple[bytes, int]]  # (key, tokens) per input
     base64: bool
     dims: int
+    priority: int = 0
 
 
 def check_keys(
@@ -205,6 +209,7 @@ def read_chat(request: dict[str, Any], profile: SimProfile) -> ChatRequest:
     usage = _include_usage(request)
     seed = _seed(request)
     n = _n(request)
+    priority = _priority(request, profile)
     generation = Generation(tools=tools)
     read_stops(request, generation)
     read_chat_logprobs(request, generation)
@@ -224,7 +229,7 @@ def read_chat(request: dict[str, Any], profile: SimProfile) -> ChatRequest:
             code=UNSUPPORTED,
         )
     return ChatRequest(
-        messages, prompt, prompt_tokens, max_tokens, stream, usage, seed, n, generation
+        messages, prompt, prompt_tokens, max_tokens, stream, usage, seed, n, generation, priority
     )
 
 
@@ -238,6 +243,7 @@ def read_completions(request: dict[str, Any], profile: SimProfile) -> Completion
     usage = _include_usage(request)
     seed = _seed(request)
     per_prompt = _n(request)
+    priority = _priority(request, profile)
     generation = Generation()
     read_stops(request, generation)
     logprobs = request.get("logprobs")
@@ -273,7 +279,7 @@ def read_completions(request: dict[str, Any], profile: SimProfile) -> Completion
             code=UNSUPPORTED,
         )
     return CompletionsRequest(
-        prompts, texts, max_tokens, stream, usage, seed, per_prompt, generation
+        prompts, texts, max_tokens, stream, usage, seed, per_prompt, generation, priority
     )
 
 
@@ -287,7 +293,7 @@ def read_embeddings(request: dict[str, Any], profile: SimProfile) -> EmbeddingsR
     dims = request.get("dimensions") or profile.embedding_dims
     if not is_int(dims) or not 1 <= dims <= 65536:
         raise BadRequestError("'dimensions' must be an integer in [1, 65536]", "dimensions")
-    return EmbeddingsRequest(inputs, encoding == "base64", dims)
+    return EmbeddingsRequest(inputs, encoding == "base64", dims, _priority(request, profile))
 
 
 def read_tokenize(request: dict[str, Any], *, strict: bool = True) -> str | list[int]:
@@ -378,6 +384,21 @@ def _check_context(limit: int | None, tokens: Sequence[int], param: str) -> None
                 param,
                 code="context_length_exceeded",
             )
+
+
+def _priority(request: dict[str, Any], profile: SimProfile) -> int:
+    """vLLM's `priority` (lower is served first); non-zero needs priority scheduling."""
+    priority = request.get("priority")
+    if priority is None:
+        return 0
+    if not is_int(priority):
+        raise BadRequestError("'priority' must be an integer", "priority")
+    if priority and profile.scheduling_policy != "priority":
+        # vLLM's words (a 400 there too).
+        raise BadRequestError(
+            f"Got priority {priority} but Priority scheduling is not enabled.", "priority"
+        )
+    return priority
 
 
 def _seed(request: dict[str, Any]) -> int | None:

@@ -1,20 +1,23 @@
-"""The simulator's batch slots: one FIFO pool per simulated deployment, and the engine's counters.
+"""The simulator's batch slots: one pool per simulated deployment, and the engine's counters.
 
 A sequence holds one slot from its prefill to its last token; when every slot is taken, requests
-queue first come, first served. A released slot passes straight to the oldest waiter, so a slot
-is never free while someone waits for one.
+queue: first come, first served (`Pool`), or by (priority, arrival) with preemption
+(`PriorityPool`, vLLM's `--scheduling-policy priority`). A released slot passes straight to the
+next waiter, so a slot is never free while someone waits for one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.sim.metrics import ModelMetrics
 
-__all__ = ["Pool", "SimStats"]
+__all__ = ["Pool", "PriorityPool", "SimStats", "Ticket"]
 
 
 @dataclass(slots=True)
@@ -23,7 +26,8 @@ class SimStats:
 
     `requests` counts inference requests that parsed (chat, completions, embeddings); each ends
     as exactly one of `completed`, `cancelled` (the client left first) or `faults` (a simulated
-    429, 500, reset, cut or in-band error). `running` holds batch slots, `waiting` queues for one.
+    429, 500, reset, cut or in-band error). `running` holds batch slots, `waiting` queues for one
+    (a preempted sequence waits again); `preemptions` counts sequences preempted.
     """
 
     requests: int = 0
@@ -35,6 +39,7 @@ class SimStats:
     open_streams: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    preemptions: int = 0
     _waiters: list[tuple[Callable[[SimStats], bool], asyncio.Future[None]]] = field(
         default_factory=list, repr=False, compare=False
     )
@@ -59,12 +64,36 @@ class SimStats:
             self._waiters.remove(entry)
 
 
+IDLE, QUEUED, SEATED = 0, 1, 2  # a ticket's state
+
+
+class Ticket:
+    """One sequence's claim on a pool's slots, on the step-by-step path (`gateway.sim.decode`).
+
+    `held` is what it holds in the simulated KV cache; `wake` is set while it sleeps, so a
+    preemption can end the sleep at once; `preempted` tells it that it lost its slot.
+    """
+
+    __slots__ = ("future", "held", "order", "preempted", "priority", "state", "wake")
+
+    def __init__(self, priority: int, order: int) -> None:
+        self.priority = priority
+        self.order = order
+        self.state = IDLE
+        self.held = 0
+        self.preempted = False
+        self.future: asyncio.Future[None] | None = None
+        self.wake: asyncio.Future[None] | None = None
+
+
 class Pool:
     """The batch slots of one simulated deployment, handed out first come, first served.
 
     Besides the engine-wide `stats`, it counts its own waiters and the tokens its running
     sequences hold in the (simulated) KV cache, for `/metrics` (it joins `metrics.pools`).
     """
+
+    preemptive = False  # whether a sequence can lose its slot (only on tickets)
 
     __slots__ = (
         "capacity",
@@ -125,8 +154,142 @@ class Pool:
         self.stats.running -= 1
         self.stats.changed()
 
+    # The step-by-step path takes tickets; a first-come pool never preempts one.
+
+    def ticket(self, priority: int) -> Ticket:
+        return Ticket(priority, 0)
+
+    async def admit(self, ticket: Ticket) -> None:
+        await self.acquire()
+        ticket.state = SEATED
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Until a queued ticket (a preempted sequence) has a slot again."""
+        if ticket.state == QUEUED and ticket.future is not None:
+            await ticket.future
+
+    def hold(self, ticket: Ticket, tokens: int) -> None:
+        ticket.held += tokens
+        self.kv_tokens += tokens
+
+    def drop(self, ticket: Ticket) -> None:
+        """The ticket's sequence is over (done or abandoned): free whatever it holds."""
+        if ticket.state == SEATED:
+            ticket.state = IDLE
+            self.kv_tokens -= ticket.held
+            ticket.held = 0
+            self.release()
+
     def step_s(self, base_step_s: float, slowdown: float) -> float:
         """One decode step with the batch as full as it is now (continuous batching)."""
         if not slowdown:
             return base_step_s
         return base_step_s * (1 + slowdown * (self.running - 1) / max(1, self.capacity - 1))
+
+
+class PriorityPool(Pool):
+    """Batch slots handed out by (priority, arrival), a lower priority value first, with
+    preemption, as vLLM's `--scheduling-policy priority` does.
+
+    A ticket that finds every slot taken preempts the seated ticket of the lowest priority (the
+    latest arrival among equals) if its priority is strictly lower: that one loses its slot and
+    its KV at once, and waits again at its original place. Only tickets use it
+    (`gateway.sim.decode`).
+    """
+
+    preemptive = True
+
+    __slots__ = ("_heap", "_order", "_seated")
+
+    def __init__(
+        self, capacity: int, stats: SimStats, metrics: ModelMetrics, kv_tokens_per_seq: int
+    ) -> None:
+        super().__init__(capacity, stats, metrics, kv_tokens_per_seq)
+        self._heap: list[tuple[int, int, Ticket]] = []
+        self._order = itertools.count()
+        self._seated: set[Ticket] = set()
+
+    def ticket(self, priority: int) -> Ticket:
+        return Ticket(priority, next(self._order))
+
+    async def acquire(self) -> None:
+        raise TypeError("a priority pool hands out slots to tickets only")
+
+    async def admit(self, ticket: Ticket) -> None:
+        if self.running < self.capacity:  # then nobody waits: a freed slot goes to the next
+            self._seat(ticket)
+        elif (victim := self._victim(ticket.priority)) is not None:
+            self._preempt(victim)
+            self._seat(ticket)  # the victim's slot
+        else:
+            self._queue(ticket)
+            self.stats.changed()
+            await self.wait(ticket)  # cancelled: the caller's `drop` takes it out of the queue
+            return
+        self.stats.changed()
+
+    def drop(self, ticket: Ticket) -> None:
+        if ticket.state == SEATED:
+            self._leave(ticket)
+        elif ticket.state == QUEUED:
+            ticket.state = IDLE
+            self.waiting -= 1
+            self.stats.waiting -= 1
+            if ticket.future is not None and not ticket.future.done():
+                ticket.future.cancel()
+        else:
+            return
+        self.stats.changed()
+
+    def _victim(self, priority: int) -> Ticket | None:
+        if not self._seated:
+            return None
+        victim = max(self._seated, key=_rank)
+        return victim if victim.priority > priority else None
+
+    def _seat(self, ticket: Ticket) -> None:
+        ticket.state = SEATED
+        self._seated.add(ticket)
+        self.running += 1
+        self.stats.running += 1
+
+    def _unseat(self, ticket: Ticket) -> None:
+        self._seated.discard(ticket)
+        self.kv_tokens -= ticket.held
+        ticket.held = 0
+        self.running -= 1
+        self.stats.running -= 1
+
+    def _queue(self, ticket: Ticket) -> None:
+        ticket.state = QUEUED
+        ticket.future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (ticket.priority, ticket.order, ticket))
+        self.waiting += 1
+        self.stats.waiting += 1
+
+    def _preempt(self, victim: Ticket) -> None:
+        self._unseat(victim)
+        victim.preempted = True
+        self._queue(victim)
+        self.stats.preemptions += 1
+        self.metrics.preemptions += 1
+        if victim.wake is not None and not victim.wake.done():
+            victim.wake.set_result(None)  # it is sleeping: it learns it at once
+
+    def _leave(self, ticket: Ticket) -> None:
+        self._unseat(ticket)
+        ticket.state = IDLE
+        heap = self._heap
+        while heap and self.running < self.capacity:
+            _, _, waiter = heapq.heappop(heap)
+            assert waiter.future is not None
+            if waiter.state != QUEUED or waiter.future.done():  # dropped, or being cancelled
+                continue
+            self.waiting -= 1
+            self.stats.waiting -= 1
+            self._seat(waiter)
+            waiter.future.set_result(None)
+
+
+def _rank(ticket: Ticket) -> tuple[int, int]:
+    return ticket.priority, ticket.order

@@ -3,7 +3,8 @@
 A request stalls once; then each of its sequences (one per choice) queues for a slot of its own,
 looks its prompt up in the prefix cache as it is scheduled, prefills what the cache lacks, and
 decodes its tokens, one step each. A stream of several choices interleaves their frames as they
-are made. With every delay at zero nothing sleeps.
+are made. With every delay at zero nothing sleeps. A model that schedules by priority or decodes
+speculatively runs its sequences step by step instead (`gateway.sim.decode`).
 """
 
 from __future__ import annotations
@@ -13,40 +14,14 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 
+from gateway.sim import decode
+from gateway.sim.decode import prefilled, schedule
 from gateway.sim.planner import Plan
 from gateway.sim.scheduler import Pool, SimStats
 from gateway.sim.wire import SimConnectionReset
 from gateway.sim.writer import DONE, Frames
 
 __all__ = ["Timeline"]
-
-
-def _schedule(plan: Plan) -> float:
-    """The sequence got its slot: look its prompt up in the prefix cache; its TTFT from now.
-
-    Prefill costs what the cache does not hold (the tail factor drawn for the whole prompt
-    applies to it), then a slow request's extra.
-    """
-    target = plan.target
-    metrics = target.pool.metrics
-    prefill = plan.prefill_s
-    cache = target.cache
-    if cache is not None and plan.blocks is not None:
-        cached = cache.match(plan.blocks, plan.prompt_tokens)
-        plan.cached_tokens = cached
-        metrics.prefix_queries += plan.prompt_tokens
-        metrics.prefix_hits += cached
-        if cached:
-            prefill = target.prefill_s(plan.prompt_tokens - cached, plan.factor)
-    metrics.prefill.observe(prefill)
-    return prefill + plan.slow_s
-
-
-def _prefilled(plan: Plan) -> None:
-    """The prompt's KV is computed: its blocks join the prefix cache."""
-    cache = plan.target.cache
-    if cache is not None and plan.blocks:
-        cache.insert(plan.blocks)
 
 
 async def _interleaved(
@@ -97,7 +72,14 @@ class Timeline:
         self.stats = stats
 
     async def work(
-        self, pool: Pool, stall_s: float, work_s: float, cut: bool, *, prompt_tokens: int
+        self,
+        pool: Pool,
+        stall_s: float,
+        work_s: float,
+        cut: bool,
+        *,
+        prompt_tokens: int,
+        priority: int = 0,
     ) -> None:
         """A non-generating request: stall, queue, hold a slot for `work_s`, then finish."""
         stats, metrics = self.stats, pool.metrics
@@ -105,6 +87,17 @@ class Timeline:
         try:
             if stall_s:
                 await asyncio.sleep(stall_s)
+            if pool.preemptive:
+                reason = "abort"
+                try:
+                    await decode.work(pool, work_s, prompt_tokens, priority)
+                    metrics.prompt_tokens += prompt_tokens
+                    reason = "stop"
+                finally:
+                    metrics.done(arrived, reason)
+                stats.prompt_tokens += prompt_tokens
+                self._finish(cut)
+                return
             try:
                 await pool.acquire()
             except asyncio.CancelledError:
@@ -141,7 +134,7 @@ class Timeline:
         """A non-streaming generation: the same timeline as a stream, without the frames.
 
         The request stalls once, then its sequences run concurrently, each in its own batch slot
-        (queueing FIFO for one like any other request); it answers when the last one is done.
+        (queueing for one like any other request); it answers when the last one is done.
         """
         stats = self.stats
         try:
@@ -162,6 +155,9 @@ class Timeline:
     async def _sequence(self, plan: Plan) -> None:
         """One sequence: a batch slot, held through prefill and decode (sending nothing)."""
         target = plan.target
+        if target.stepwise:
+            await decode.sequence(plan)
+            return
         pool, metrics = target.pool, target.pool.metrics
         try:
             await pool.acquire()
@@ -172,9 +168,9 @@ class Timeline:
         pool.kv_tokens += held
         reason = "abort"
         try:
-            if ttft_s := _schedule(plan):
+            if ttft_s := schedule(plan):
                 await asyncio.sleep(ttft_s)
-            _prefilled(plan)
+            prefilled(plan)
             metrics.first_token(plan.arrived, plan.prompt_tokens)
             pool.kv_tokens += 1
             held += 1
@@ -224,11 +220,12 @@ class Timeline:
             if plans[0].stall_s:
                 await asyncio.sleep(plans[0].stall_s)
             # Closed as soon as this is: that frees the batch slots at once.
+            source = decode.frames if plans[0].target.stepwise else self._frames
             if len(plans) == 1:
-                inner = self._frames(plans[0], frames[0], sent)
+                inner = source(plans[0], frames[0], sent)
             else:
                 inner = _interleaved(
-                    [self._frames(p, f, sent) for p, f in zip(plans, frames, strict=True)]
+                    [source(p, f, sent) for p, f in zip(plans, frames, strict=True)]
                 )
             async with contextlib.aclosing(inner):
                 async for frame in inner:
@@ -270,9 +267,9 @@ class Timeline:
             acquired = True
             held = plan.prompt_tokens
             pool.kv_tokens += held
-            if ttft_s := _schedule(plan):
+            if ttft_s := schedule(plan):
                 await asyncio.sleep(ttft_s)
-            _prefilled(plan)
+            prefilled(plan)
             metrics.first_token(plan.arrived, plan.prompt_tokens)
             if first is not None:
                 yield first
