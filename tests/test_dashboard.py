@@ -325,3 +325,73 @@ async def test_dashboard_behind_an_admin_key(upstream: Upstream) -> None:
         assert any(url == gw.url + "/admin/latency" for url in watched.requests)
         assert watched.errors == []
         assert key not in await page.content()
+
+
+# --- the vLLM servers ----------------------------------------------------------------------------
+
+
+def _pct(value: float) -> str:
+    """The page's percentage: whole percents, one decimal under 10%."""
+    return f"{value * 100:.{0 if value >= 0.1 or value == 0 else 1}f}%"
+
+
+async def test_dashboard_shows_the_vllm_servers_figures(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A speculating vLLM server with a prefix cache, and a plain one: the page's vLLM table
+    shows the first's prefix-cache hits, measured TPOT, acceptance, tokens per step and
+    acceptance by position, as `/admin/latency` gives them; the second's speculative figures
+    are unknown (—), not zero."""
+    from tests.test_spec_decode import PLAIN, SPEC, straight
+    from tests.test_vllm_routing import sims, vllm
+
+    async with (
+        sims(SPEC, PLAIN) as (spec, plain),
+        httpx.AsyncClient(timeout=10) as client,
+        chromium() as browser,
+    ):
+        await straight(client, spec, 3)
+        settings = gateway_settings(
+            {"gpu": vllm(spec), "cpu": vllm(plain)},
+            [
+                {"name": "m", "deployments": [{"provider": "gpu", "model": "m"}]},
+                {"name": "n", "deployments": [{"provider": "cpu", "model": "m"}]},
+            ],
+        )
+        async with run_gateway(settings) as gw:
+            await spec.read_by_gateway()
+            await plain.read_by_gateway()
+            shown = (await client.get(gw.url + "/admin/latency")).json()["vllm"]
+            page = await browser.new_page(viewport={"width": 1280, "height": 900})
+            watched = Watched(page)
+            response = await page.goto(gw.url + "/dashboard")
+            assert response is not None and response.ok
+            figures = shown["gpu"]["spec_decode"]
+            gpu = page.locator('[data-provider="gpu"]')
+            await expect(gpu.locator('[data-field="state"]')).to_have_text("ok")
+            await expect(gpu.locator('[data-field="acceptance"]')).to_have_text(
+                _pct(figures["acceptance_rate"])
+            )
+            await expect(gpu.locator('[data-field="tokens-per-step"]')).to_have_text(
+                f"{figures['tokens_per_step']:.2f}"
+            )
+            await expect(gpu.locator('[data-field="positions"]')).to_have_text(
+                " · ".join(_pct(share) for share in figures["per_position"])
+            )
+            await expect(gpu.locator('[data-field="prefix"]')).to_have_text(
+                _pct(shown["gpu"]["prefix_cache_hit_rate"])
+            )
+            await expect(gpu.locator('[data-field="tpot"]')).to_contain_text(" ms")
+            cpu = page.locator('[data-provider="cpu"]')
+            await expect(cpu.locator('[data-field="state"]')).to_have_text("ok")
+            for field in ("acceptance", "tokens-per-step", "positions", "prefix"):
+                await expect(cpu.locator(f'[data-field="{field}"]')).to_have_text("—")
+            await expect(cpu.locator('[data-field="running"]')).to_have_text("0")
+            ids = await page.eval_on_selector_all(
+                "tr[data-provider]", "(rows) => rows.map((row) => row.dataset.provider)"
+            )
+            assert ids == ["cpu", "gpu"]
+            png = await page.locator("#vllm-section").screenshot()
+            (tmp_path_factory.getbasetemp() / "dashboard-vllm.png").write_bytes(png)
+            assert watched.errors == []
+            assert watched.foreign(gw.url) == []

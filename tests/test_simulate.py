@@ -201,3 +201,66 @@ def test_simulate_alone_lists_its_simulations() -> None:
     result = CliRunner().invoke(app, ["simulate", "--help"])
     assert result.exit_code == 0
     assert "batching" in result.output
+
+
+# `tailguard simulate speculative`.
+
+
+def speculative(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["simulate", "speculative", *args])
+    return result.exit_code, result.output
+
+
+def test_speculative_json_follows_the_formula() -> None:
+    """Tokens per step = sum(alpha**i, i = 0..k), step cost = 1 + k x (verify + draft), speedup
+    their ratio; the drawn columns land near them and are reproducible under the seed."""
+    args = ("--k", "3", "--acceptance", "0.05,0.5,0.9", "--verify-cost", "0.1")
+    code, output = speculative(*args, "--draft-cost", "0.2", "--steps", "4000", "--json")
+    assert code == 0, output
+    report = json.loads(output)
+    assert report["k"] == 3 and report["step_cost"] == pytest.approx(1 + 3 * 0.3)
+    assert [row["acceptance"] for row in report["rows"]] == [0.05, 0.5, 0.9]
+    for row in report["rows"]:
+        alpha = row["acceptance"]
+        tokens = sum(alpha**i for i in range(4))
+        assert row["tokens_per_step"] == pytest.approx(tokens)
+        assert row["step_cost"] == pytest.approx(1.9)
+        assert row["speedup"] == pytest.approx(tokens / 1.9)
+        # 4000 draws: the mean of 1 + accepted (sd < 1.2) within 0.1 of its expectation.
+        assert row["measured_tokens_per_step"] == pytest.approx(tokens, abs=0.1)
+        assert row["measured_speedup"] == pytest.approx(row["measured_tokens_per_step"] / 1.9)
+        expected_rate = sum(alpha ** (i + 1) for i in range(3)) / 3  # vLLM's accepted / drafted
+        assert row["measured_acceptance_rate"] == pytest.approx(expected_rate, abs=0.03)
+    even = report["break_even_acceptance"]
+    assert sum(even**i for i in range(4)) == pytest.approx(1.9)
+    assert speculative(*args, "--draft-cost", "0.2", "--steps", "4000", "--json")[1] == output
+
+
+def test_a_draft_that_is_rarely_right_slows_decoding_down() -> None:
+    code, output = speculative("--json")
+    assert code == 0, output
+    rows = {row["acceptance"]: row for row in json.loads(output)["rows"]}
+    assert set(rows) == {0.05, 0.2, 0.4, 0.6, 0.8, 0.9}
+    assert rows[0.05]["speedup"] < 1 and rows[0.05]["measured_speedup"] < 1
+    assert rows[0.9]["speedup"] > 3
+    code, text = speculative()
+    assert code == 0, text
+    words = " ".join(text.split())
+    assert "0.82x" in words and "18% slower than without a draft" in words
+    assert "right more than 22% of the time" in words
+
+
+def test_speculation_that_cannot_pay_for_itself_says_so() -> None:
+    args = ("--k", "2", "--verify-cost", "0", "--draft-cost", "1.5", "--acceptance", "1")
+    code, output = speculative(*args, "--json")
+    assert code == 0, output
+    report = json.loads(output)
+    assert report["break_even_acceptance"] is None
+    assert report["rows"][0]["speedup"] == pytest.approx(3 / 4)
+    assert "no draft, however good, pays for itself" in report["conclusion"]
+
+
+def test_speculative_rejects_bad_rates() -> None:
+    assert speculative("--acceptance", "1.5")[0] == 2
+    assert speculative("--acceptance", "x")[0] == 2
+    assert speculative("--k", "0")[0] == 2

@@ -37,6 +37,7 @@ from gateway.responses_store import ResponseStore
 from gateway.runtime import Runtime, Services
 from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.telemetry import configure_logging, exposition
+from gateway.telemetry.prometheus import VllmCollector
 
 
 def create_app(
@@ -63,6 +64,10 @@ def create_app(
             environ=os.environ if environ is None else environ,
             config_path=config_path,
         ) as runtime:
+            # The vLLM servers of whichever config is current, read at scrape time.
+            runtime.registry.register(
+                VllmCollector(lambda: vllm_snapshot(runtime.services.servers))
+            )
             yield {"runtime": runtime}
 
     app = FastAPI(

@@ -130,3 +130,82 @@ def simulate_batching(
     out.print(table)
     out.print()
     out.print(report["conclusion"], highlight=False, markup=False)
+
+
+@simulate_app.command("speculative")
+def simulate_speculative(
+    k: Annotated[int, typer.Option(min=1, max=64, help="Draft tokens proposed per step.")] = 4,
+    acceptance: Annotated[
+        str,
+        typer.Option(
+            help="Acceptance rates to tabulate (the chance each draft token is right), "
+            "comma-separated, each in [0, 1]."
+        ),
+    ] = "0.05,0.2,0.4,0.6,0.8,0.9",
+    verify_cost: Annotated[
+        float,
+        typer.Option(min=0.0, help="Cost of verifying one draft token, in plain decode steps."),
+    ] = 0.02,
+    draft_cost: Annotated[
+        float, typer.Option(min=0.0, help="Cost of drafting one token, in plain decode steps.")
+    ] = 0.05,
+    steps: Annotated[
+        int, typer.Option(min=1, max=10_000_000, help="Simulated steps per acceptance rate.")
+    ] = 5000,
+    seed: Annotated[int, typer.Option(help="Seed of the simulated drafts.")] = 1,
+    json_: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Speculative decoding: tokens per step, step cost and speedup against the acceptance rate,
+    from the formula and from simulated drafts."""
+    from gateway.tools.speculative import run_experiment
+
+    try:
+        rates = [float(part) for part in acceptance.split(",") if part.strip()]
+        experiment = run_experiment(
+            k, rates, verify_cost=verify_cost, draft_cost=draft_cost, steps=steps, seed=seed
+        )
+    except ValueError as exc:
+        err.print(f"error: --acceptance: {exc}", highlight=False, markup=False)
+        raise typer.Exit(code=2) from None
+    report = experiment.to_json()
+    if json_:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    table = Table(
+        title=f"Speculative decoding: {k} draft tokens per step, verify cost {verify_cost:g}, "
+        f"draft cost {draft_cost:g} (per token, in plain steps), {steps} steps per rate, "
+        f"seed {seed}",
+        title_justify="left",
+        caption="acceptance: chance each draft token is right; step cost in plain decode steps; "
+        "speedup: tokens per step / step cost (below 1: slower); vLLM acc.: accepted / draft "
+        "tokens, as vLLM's counters read.",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for column in (
+        "accep-\ntance",
+        "tokens\n/ step",
+        "step\ncost",
+        "\nspeedup",
+        "measured\ntokens/step",
+        "measured\nspeedup",
+        "vLLM\nacc.",
+    ):
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in experiment.rows:
+        s = row.speculation
+        table.add_row(
+            f"{s.alpha:g}",
+            f"{s.tokens_per_step:.2f}",
+            f"{s.step_cost:.2f}",
+            f"{s.speedup:.2f}x",
+            f"{row.measured_tokens_per_step:.2f}",
+            f"{row.measured_speedup:.2f}x",
+            f"{row.measured_acceptance:.2f}",
+        )
+    out = Console()
+    out.print(table)
+    out.print()
+    out.print(report["conclusion"], highlight=False, markup=False)

@@ -5,7 +5,8 @@ Scraped by a background task per server (never on the request path), every
 is older than three intervals, or whose metrics cannot be read, is *unknown* (not idle): routing
 then relies on the latency statistics alone. Both the current and the older metric names are
 read (`kv_cache_usage_perc` / `gpu_cache_usage_perc`, `inter_token_latency_seconds` /
-`time_per_output_token_seconds`).
+`time_per_output_token_seconds`, `prefix_cache_*` / `gpu_prefix_cache_*`, and speculative
+decoding's V1 counters beside V0's gauges). A series the server does not export is unknown.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway import numbers
 from gateway.config import ProviderSpec
 from gateway.errors import scrub
+from gateway.providers.vllm_spec import SpecCounters, SpecRates, ratio, spec_rates
+
+__all__ = [
+    "Histogram",
+    "Scraper",
+    "ServerLoad",
+    "ServerState",
+    "SpecCounters",
+    "SpecRates",
+    "metrics_url",
+    "parse_metrics",
+    "snapshot",
+    "spec_rates",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +50,33 @@ _WAITING = "vllm:num_requests_waiting"
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _TTFT = "vllm:time_to_first_token_seconds"
 _TPOT = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+# Prefix-cache counters (tokens; `gpu_` in early V1), and V0's hit-rate gauge (blocks).
+_PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+_PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+_PREFIX_RATE = "vllm:gpu_prefix_cache_hit_rate"
+# Speculative decoding: V1's counters (drafts only in V1, per position labelled `position`);
+# V0 had the token counters too, an emitted-token counter and two gauges.
+_SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+_SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+_SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+_SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_SPEC_EMITTED = "vllm:spec_decode_num_emitted_tokens_total"
+_SPEC_RATE = "vllm:spec_decode_draft_acceptance_rate"
+_SPEC_EFFICIENCY = "vllm:spec_decode_efficiency"
+_COUNTERS = (
+    *_PREFIX_QUERIES,
+    *_PREFIX_HITS,
+    _SPEC_DRAFTS,
+    _SPEC_DRAFT_TOKENS,
+    _SPEC_ACCEPTED,
+    _SPEC_EMITTED,
+)
+_RATES = (_PREFIX_RATE, _SPEC_RATE, _SPEC_EFFICIENCY)  # gauges in [0, 1]
+_MAX_POSITIONS = 64  # more draft positions than any configuration: a larger label is garbage
 # The families read; every other line of a page is skipped before parsing. A real server's page
 # is mostly families nobody here reads, and the parser is pure Python.
-_READ = (_RUNNING, _WAITING, *_KV, _TTFT, *_TPOT)
+_READ = (_RUNNING, _WAITING, *_KV, _TTFT, *_TPOT, *_COUNTERS, _SPEC_PER_POS, *_RATES)
+_TPOT_EVIDENCE = 16  # inter-token observations a measured mean TPOT is taken from
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +119,10 @@ class ServerLoad:
     ttft: Histogram
     tpot: Histogram
     scraped_at: float  # monotonic
+    prefix_queries: float | None = None  # prompt tokens looked up in the prefix cache, cumulative
+    prefix_hits: float | None = None  # of which were found there
+    prefix_hit_gauge: float | None = None  # V0's hit-rate gauge, when the counters are missing
+    spec: SpecCounters | None = None  # None: the server does not speculate (or says nothing)
 
 
 def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
@@ -87,8 +130,8 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
 
     Raises ValueError when the page is not Prometheus text or lacks the queue gauges, or when a
     queue gauge is no finite, non-negative number. Other values that are not (`NaN`, `+Inf`,
-    `-1`, a bucket bound that is no number) are left out; values are clamped to 1e12, the cache
-    usage to [0, 1].
+    `-1`, a bucket bound or draft position that is no number) are left out; values are clamped
+    to 1e12, the cache usage and the rates to [0, 1].
     """
     running = waiting = 0.0
     seen_queue = False
@@ -98,6 +141,9 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
     tpot: dict[str, dict[float, float]] = {}
     tpot_count: dict[str, float] = {}
     tpot_sum: dict[str, float] = {}
+    counters: dict[str, float] = {}
+    rates: dict[str, list[float]] = {}
+    positions: dict[int, float] = {}
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(_READ))
     for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
@@ -112,8 +158,8 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
                 if name in (_RUNNING, _WAITING):  # the queue itself is unknown, not empty
                     raise ValueError(f"{name} is {sample.value}")
                 continue
-            if name in _KV:
-                value = min(value, 1.0)  # a fraction of the cache
+            if name in _KV or name in _RATES:
+                value = min(value, 1.0)  # a fraction
             le = 0.0
             if name.endswith("_bucket"):
                 upper = numbers.bound(labels.get("le"))
@@ -128,6 +174,14 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
                 seen_queue = True
             elif name in _KV:
                 kv[name] = max(kv.get(name, 0.0), value)
+            elif name in _COUNTERS:
+                counters[name] = counters.get(name, 0.0) + value
+            elif name in _RATES:
+                rates.setdefault(name, []).append(value)
+            elif name == _SPEC_PER_POS:
+                position = _position(labels.get("position"))
+                if position is not None:
+                    positions[position] = positions.get(position, 0.0) + value
             elif name == _TTFT + "_bucket":
                 ttft[le] = ttft.get(le, 0.0) + value
             elif name == _TTFT + "_count":
@@ -157,7 +211,43 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
             tpot_sum.get(tpot_name, 0.0),
         ),
         scraped_at=time.monotonic(),
+        # The current name first: a server exporting both counts the same tokens twice.
+        prefix_queries=next((counters[n] for n in _PREFIX_QUERIES if n in counters), None),
+        prefix_hits=next((counters[n] for n in _PREFIX_HITS if n in counters), None),
+        prefix_hit_gauge=_mean(rates.get(_PREFIX_RATE)),
+        spec=_spec_counters(counters, rates, positions),
     )
+
+
+def _position(text: str | None) -> int | None:
+    """A draft position label (`0`, `1`, ...); None when it is not one."""
+    if text is None or not text.isdigit() or len(text) > 2:
+        return None
+    position = int(text)
+    return position if position < _MAX_POSITIONS else None
+
+
+def _mean(values: list[float] | None) -> float | None:
+    """A gauge over the models of a server: their mean (a rate does not add up)."""
+    return sum(values) / len(values) if values else None
+
+
+def _spec_counters(
+    counters: Mapping[str, float], rates: Mapping[str, list[float]], positions: Mapping[int, float]
+) -> SpecCounters | None:
+    spec = SpecCounters(
+        drafts=counters.get(_SPEC_DRAFTS),
+        draft_tokens=counters.get(_SPEC_DRAFT_TOKENS),
+        accepted=counters.get(_SPEC_ACCEPTED),
+        emitted=counters.get(_SPEC_EMITTED),
+        # A position the page skipped accepted nothing there.
+        per_position=tuple(positions.get(i, 0.0) for i in range(max(positions) + 1))
+        if positions
+        else (),
+        acceptance_gauge=_mean(rates.get(_SPEC_RATE)),
+        efficiency_gauge=_mean(rates.get(_SPEC_EFFICIENCY)),
+    )
+    return None if spec == SpecCounters() else spec
 
 
 def metrics_url(base_url: str) -> str:
@@ -188,6 +278,8 @@ class ServerState:
     # request (a histogram difference and a quantile cost ~15 us).
     _median: float | None = field(default=None, repr=False)
     _median_of: ServerLoad | None = field(default=None, repr=False)
+    # The same for the prefix-cache, speculative-decoding and TPOT figures.
+    _recent: _Recent | None = field(default=None, repr=False)
 
     def current(self) -> ServerLoad | None:
         """The load, or None when unknown (never scraped, failing, or stale)."""
@@ -216,6 +308,95 @@ class ServerState:
             self._median_of = load
         return self._median
 
+    def scraped(self, load: ServerLoad) -> None:
+        """A good scrape: `load` is the latest, the one before is kept for differences."""
+        self.previous, self.load = self.load, load
+        if load.waiting > 0 and load.running > (self.slots or 0.0):
+            self.slots = load.running
+        self.failures = 0
+        self.last_error = None
+        self.scrapes += 1
+        self._recent_figures()  # every interval's, so that an idle one can carry the last
+
+    def prefix_hit_rate(self) -> float | None:
+        """The share of prompt tokens found in the prefix cache between the last two scrapes
+        (the latest interval with lookups, when this one had none; V0's block hit-rate gauge as
+        it is); None when unknown or nothing was ever looked up."""
+        recent = self._recent_figures()
+        return recent.prefix_hit_rate if recent is not None else None
+
+    def spec_rates(self) -> SpecRates | None:
+        """Speculative decoding between the last two scrapes (the latest interval with drafts,
+        when this one had none); None when the server says nothing of it, or its load is
+        unknown."""
+        recent = self._recent_figures()
+        return recent.spec if recent is not None else None
+
+    def recent_tpot_s(self) -> float | None:
+        """The mean time between output tokens the server measured (seconds): between the last
+        two scrapes, else in the latest interval that saw enough tokens, else since it started;
+        None until enough tokens were seen."""
+        recent = self._recent_figures()
+        return recent.tpot_s if recent is not None else None
+
+    def _recent_figures(self) -> _Recent | None:
+        load = self.current()
+        if load is None:
+            return None
+        recent = self._recent
+        if recent is None or recent.of is not load:
+            recent = self._recent = _recent(load, self.previous, recent)
+        return recent
+
+
+@dataclass(frozen=True, slots=True)
+class _Recent:
+    of: ServerLoad
+    prefix_hit_rate: float | None
+    spec: SpecRates | None
+    tpot_s: float | None
+
+
+def _recent(load: ServerLoad, previous: ServerLoad | None, last: _Recent | None) -> _Recent:
+    """The figures of the interval ending at `load`. One in which the server looked nothing up,
+    drafted or decoded nothing keeps those of `last`, the interval before: an idle server's
+    latest rates stand (they are unknown only while its load is)."""
+    hit_rate = None
+    queries, hits = load.prefix_queries, load.prefix_hits
+    if queries is not None and hits is not None:
+        before_q = previous.prefix_queries if previous is not None else None
+        before_h = previous.prefix_hits if previous is not None else None
+        if before_q is not None and before_h is not None and before_q <= queries:
+            queries, hits = queries - before_q, max(0.0, hits - before_h)
+        hit_rate = ratio(hits, queries)
+        if hit_rate is None and last is not None:
+            hit_rate = last.prefix_hit_rate
+    else:
+        hit_rate = load.prefix_hit_gauge
+    spec = None
+    if load.spec is not None:
+        spec = spec_rates(load.spec, previous.spec if previous is not None else None)
+        if last is not None and last.spec is not None:
+            spec = SpecRates(
+                acceptance=_first(spec.acceptance, last.spec.acceptance),
+                accepted_per_draft=_first(spec.accepted_per_draft, last.spec.accepted_per_draft),
+                per_position=spec.per_position or last.spec.per_position,
+                efficiency=spec.efficiency,
+            )
+    recent = load.tpot.since(previous.tpot if previous else None)
+    tpot_s = None
+    if recent.count >= _TPOT_EVIDENCE:
+        tpot_s = recent.total / recent.count
+    elif last is not None and last.tpot_s is not None:
+        tpot_s = last.tpot_s
+    elif load.tpot.count >= _TPOT_EVIDENCE:
+        tpot_s = load.tpot.total / load.tpot.count
+    return _Recent(load, hit_rate, spec, tpot_s)
+
+
+def _first(value: float | None, otherwise: float | None) -> float | None:
+    return value if value is not None else otherwise
+
 
 async def scrape_forever(
     state: ServerState, session: aiohttp.ClientSession, secrets: tuple[str, ...] = ()
@@ -240,12 +421,7 @@ async def scrape_forever(
         else:
             if state.failures:
                 logger.info("vLLM metrics back at %s", state.url)
-            state.previous, state.load = state.load, load
-            if load.waiting > 0 and load.running > (state.slots or 0.0):
-                state.slots = load.running
-            state.failures = 0
-            state.last_error = None
-            state.scrapes += 1
+            state.scraped(load)
         await asyncio.sleep(state.interval_s)
 
 
@@ -302,11 +478,28 @@ def snapshot(states: Mapping[str, ServerState]) -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {}
     for name, state in states.items():
         load = state.current()
+        spec = state.spec_rates()
+        tpot_s = state.recent_tpot_s()
         out[name] = {
             "state": "ok" if load is not None else "unknown",
             "running": load.running if load else None,
             "waiting": load.waiting if load else None,
             "kv_cache_usage": load.kv_usage if load else None,
+            "prefix_cache_hit_rate": _round(state.prefix_hit_rate()),
+            "tpot_ms": round(tpot_s * 1000, 3) if tpot_s is not None else None,
+            "spec_decode": None
+            if spec is None
+            else {
+                "acceptance_rate": _round(spec.acceptance),
+                "accepted_per_draft": _round(spec.accepted_per_draft),
+                "tokens_per_step": _round(spec.tokens_per_step),
+                "per_position": [round(share, 4) for share in spec.per_position],
+                "efficiency": _round(spec.efficiency),
+            },
             "last_error": state.last_error,
         }
     return out
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

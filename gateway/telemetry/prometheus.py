@@ -1,5 +1,6 @@
-"""Prometheus exposition, and the collectors that read the latency store's state, the process and
-the event loop at scrape time (the request path pays nothing for them)."""
+"""Prometheus exposition, and the collectors that read the latency store's state, the vLLM
+servers' own figures, the process and the event loop at scrape time (the request path pays
+nothing for them)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ LATENCY_STORE_PENDING = "tailguard_latency_store_pending_writes"
 LATENCY_SNAPSHOT_AGE = "tailguard_latency_snapshot_age_seconds"
 INFLIGHT = "tailguard_upstream_inflight"
 EVENT_LOOP_TASKS = "tailguard_event_loop_tasks"
+VLLM_UP = "tailguard_vllm_metrics_up"
+VLLM_RUNNING = "tailguard_vllm_requests_running"
+VLLM_WAITING = "tailguard_vllm_requests_waiting"
+VLLM_KV_USAGE = "tailguard_vllm_kv_cache_usage_ratio"
+VLLM_PREFIX_HIT = "tailguard_vllm_prefix_cache_hit_ratio"
+VLLM_TPOT = "tailguard_vllm_inter_token_latency_seconds"
+VLLM_SPEC_ACCEPTANCE = "tailguard_vllm_spec_decode_acceptance_ratio"
+VLLM_SPEC_TOKENS = "tailguard_vllm_spec_decode_tokens_per_step"
+VLLM_SPEC_POSITION = "tailguard_vllm_spec_decode_position_acceptance_ratio"
 
 
 class LatencyStoreCollector(Collector):
@@ -94,6 +104,95 @@ class EventLoopCollector(Collector):
         )
         tasks.add_metric([], float(len(asyncio.all_tasks(loop))))
         yield tasks
+
+
+VllmFigures = Mapping[str, Mapping[str, Any]]  # per provider, as `providers.vllm.snapshot` gives
+# The plain gauges: name, help, where the figure sits in a provider's figures, its scale.
+_VLLM_GAUGES = (
+    (VLLM_RUNNING, "Requests the server runs in its batch.", ("running",), 1.0),
+    (VLLM_WAITING, "Requests queued at the server.", ("waiting",), 1.0),
+    (VLLM_KV_USAGE, "Share of the server's KV cache in use.", ("kv_cache_usage",), 1.0),
+    (
+        VLLM_PREFIX_HIT,
+        "Share of prompt tokens found in the server's prefix cache, over the latest scrape "
+        "interval that looked any up.",
+        ("prefix_cache_hit_rate",),
+        1.0,
+    ),
+    (
+        VLLM_TPOT,
+        "Mean time between output tokens the server measured, over the latest scrape interval "
+        "that saw enough of them (since its start before).",
+        ("tpot_ms",),
+        0.001,
+    ),
+    (
+        VLLM_SPEC_ACCEPTANCE,
+        "Speculative decoding: accepted over proposed draft tokens, over the latest scrape "
+        "interval that drafted.",
+        ("spec_decode", "acceptance_rate"),
+        1.0,
+    ),
+    (
+        VLLM_SPEC_TOKENS,
+        "Speculative decoding: tokens one target step yields (1 + accepted draft tokens per "
+        "draft), over the latest scrape interval that drafted.",
+        ("spec_decode", "tokens_per_step"),
+        1.0,
+    ),
+)
+
+
+class VllmCollector(Collector):
+    """What each vLLM server's own `/metrics` last said (the `vllm` section of
+    `/admin/latency`), by provider, read at scrape time. A figure that is unknown (a server not
+    read, stale, or not exporting it) has no series rather than a zero."""
+
+    def __init__(self, figures: Callable[[], VllmFigures]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self._figures()
+        up = GaugeMetricFamily(
+            VLLM_UP, "1 while the server's /metrics is read and fresh, else 0.", labels=["provider"]
+        )
+        gauges = [
+            (GaugeMetricFamily(name, text, labels=["provider"]), path, scale)
+            for name, text, path, scale in _VLLM_GAUGES
+        ]
+        position = GaugeMetricFamily(
+            VLLM_SPEC_POSITION,
+            "Speculative decoding: share of drafts accepted up to each draft position.",
+            labels=["provider", "position"],
+        )
+        for provider in sorted(figures):
+            shown = figures[provider]
+            up.add_metric([provider], 1.0 if shown.get("state") == "ok" else 0.0)
+            for family, path, scale in gauges:
+                value = _number_at(shown, path)
+                if value is not None:
+                    family.add_metric([provider], value * scale)
+            spec = shown.get("spec_decode")
+            shares = spec.get("per_position") if isinstance(spec, Mapping) else None
+            for i, share in enumerate(shares if isinstance(shares, list) else ()):
+                if isinstance(share, int | float) and not isinstance(share, bool):
+                    position.add_metric([provider, str(i)], float(share))
+        yield up
+        for family, _, _ in gauges:
+            yield family
+        yield position
+
+
+def _number_at(figures: Mapping[str, Any], path: tuple[str, ...]) -> float | None:
+    """The number at `path`; None when a step is missing or it is no number."""
+    value: Any = figures
+    for key in path:
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 def make_registry(*collectors: Collector) -> CollectorRegistry:
