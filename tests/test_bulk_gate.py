@@ -1,14 +1,22 @@
-"""The bulk admission gate's AIMD steering, driven by hand (a fake clock, no network)."""
+"""The bulk admission gate: its AIMD steering, weights and capacity driven by hand (a fake
+clock), and its reaction to a real simulated vLLM server's queue."""
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from gateway.batching import BulkGate
+from gateway.batching.gate import Upstream
 from gateway.config import BulkSpec
 from gateway.errors import OverloadedError
+from gateway.providers.vllm import Histogram, ServerLoad, ServerState
+from gateway.sim.profile import SimProfile
+from tests.conftest import gateway_settings, run_gateway
+from tests.test_batching import BULK
+from tests.test_vllm_routing import MAX_BATCH, WATCHDOG_S, ask, served_well, sims, vllm
 
 
 class Clock:
@@ -87,3 +95,171 @@ async def test_no_interactive_traffic_lets_bulk_use_the_capacity() -> None:
     await asyncio.wait_for(waiting, 1)
     assert g.limits()["d"] >= 2
     third.cancel()
+
+
+# --- weights, capacity and the server's load (an injectable clock; a ServerState fed by hand) ---
+
+
+def server(clock: Clock, *, slots: float | None = None, waiting: float = 0.0) -> ServerState:
+    state = ServerState("http://sim/metrics", 1.0, slots=slots, clock=clock)
+    scrape(state, clock, waiting=waiting)
+    return state
+
+
+def scrape(state: ServerState, clock: Clock, *, waiting: float, kv: float = 0.1) -> None:
+    """A new page, as the scraper would store it."""
+    state.previous = state.load
+    state.load = ServerLoad(4.0, waiting, kv, Histogram(), Histogram(), clock.now)
+
+
+def on_vllm(
+    clock: Clock, state: ServerState, prioritized: bool = False, **spec: object
+) -> BulkGate:
+    settings = {"initial_concurrency": 4, "max_concurrency": 64, **spec}
+    upstream = {"d": Upstream(state, prioritized)}
+    return BulkGate(BulkSpec.model_validate(settings), servers=upstream, clock=clock)
+
+
+async def test_a_batch_weighs_its_inputs_and_a_chat_one() -> None:
+    """A micro-batch of N embeddings inputs takes N slot-equivalents (vLLM runs each input as a
+    sequence), N / embedding_inputs_per_slot where a server embeds a call on one slot; a chat
+    takes one; work heavier than the whole limit runs alone rather than never."""
+    clock = Clock()
+    g = gate(clock, initial_concurrency=8)
+    assert g.batch_weight("embeddings", 6) == 6
+    assert g.batch_weight("completions", 3, n=2) == 6
+    await g.acquire("d", g.batch_weight("embeddings", 6))
+    await g.acquire("d")  # a chat: 7 of 8
+    heavy = asyncio.create_task(g.acquire("d", g.batch_weight("embeddings", 2)))
+    await asyncio.sleep(0)
+    assert g.waiting() == {"d": 1}  # 7 + 2 > 8
+    g.release("d")
+    await asyncio.wait_for(heavy, 1)
+    g.release("d", 6)
+    g.release("d", 2)
+    await asyncio.wait_for(g.acquire("d", 20), 1)  # alone: heavier than the limit
+    assert BulkGate(BulkSpec(embedding_inputs_per_slot=64)).batch_weight("embeddings", 64) == 1
+
+
+async def test_a_quiet_spell_grows_the_limit_no_further_than_the_learned_slots() -> None:
+    """With no interactive traffic bulk grows its limit, but never past the server's learned
+    batch slots (max_concurrency is far above them)."""
+    clock = Clock()
+    g = on_vllm(clock, server(clock, slots=6), initial_concurrency=1, reserve_slots=0)
+    state = g._servers["d"].state
+    await g.acquire("d")
+    waiting = [asyncio.create_task(g.acquire("d"))]
+    for _ in range(30):
+        await asyncio.sleep(0)
+        clock.now += 2
+        scrape(state, clock, waiting=0)
+        waiting.append(asyncio.create_task(g.acquire("d")))  # each arrival may grow the limit
+    await asyncio.sleep(0)
+    assert g.limits() == {"d": 6}
+    assert sum(task.done() for task in waiting) == 5  # six in flight, the first included
+    for task in waiting:
+        task.cancel()
+
+
+async def test_a_fifo_server_keeps_room_for_interactive_requests() -> None:
+    """On a first-come-first-served server bulk leaves the slots interactive requests hold,
+    plus reserve_slots; on one that serves bulk at a lower priority, only theirs."""
+    clock = Clock()
+    fifo = on_vllm(clock, server(clock, slots=4), initial_concurrency=4)
+    prio = on_vllm(clock, server(clock, slots=4), prioritized=True, initial_concurrency=4)
+    for g in (fifo, prio):
+        g.enter("d")
+        g.observe("d", 0.05, None)
+    assert fifo.limits() == {"d": 2}  # 4 slots - 1 interactive - 1 in reserve
+    assert prio.limits() == {"d": 3}
+    fifo.leave("d")
+    assert fifo.limits() == {"d": 3}
+
+
+async def test_a_full_queue_holds_bulk_while_interactive_requests_run() -> None:
+    """A scrape showing requests waiting, with interactive traffic present: a FIFO server
+    gets no more bulk, and the limit halves; a new scrape with an empty queue lets bulk in
+    again. A server that orders bulk after interactive work keeps admitting."""
+    clock = Clock()
+    state = server(clock, slots=8, waiting=3)
+    g = on_vllm(clock, state, reserve_slots=0)
+    g.enter("d")
+    held = asyncio.create_task(g.acquire("d"))
+    await asyncio.sleep(0)
+    assert g.limits() == {"d": 0} and g.waiting() == {"d": 1}
+    clock.now += 0.1
+    scrape(state, clock, waiting=0)
+    g.leave("d")  # any event looks at the new page
+    await asyncio.wait_for(held, 1)
+    assert g.limits() == {"d": 2}  # 4, halved by the full queue
+    prio = on_vllm(clock, server(clock, slots=8, waiting=3), prioritized=True)
+    prio.enter("d")
+    await asyncio.wait_for(prio.acquire("d"), 1)
+    assert prio.limits() == {"d": 4}
+
+
+def test_first_tokens_well_above_the_unloaded_ttft_halve_the_limit() -> None:
+    """On vLLM with known load, an interactive TTFT 2x the fastest of the last minute halves the
+    limit though it is far inside its budget; without server load only the budget counts."""
+    clock = Clock()
+    g = on_vllm(clock, server(clock, slots=8), initial_concurrency=8)
+    plain = gate(clock, initial_concurrency=8)
+    for _ in range(5):
+        clock.now += 0.01
+        for each in (g, plain):
+            each.observe("d", 0.05, 1.0)
+    clock.now += 1
+    for each in (g, plain):
+        each.observe("d", 0.1, 1.0)  # 10% of the budget, 2x the unloaded TTFT
+    assert g.limits() == {"d": 4}
+    assert plain.limits() == {"d": 8}
+
+
+# --- a real simulated vLLM server, scraped by an in-process gateway -------------------------------
+
+
+async def test_a_queue_at_the_server_holds_bulk_back_until_it_drains() -> None:
+    """The server's metrics show requests waiting while an interactive request runs through the
+    gateway: the bulk limit falls to nothing and a bulk chat waits at the gate; once the queue
+    has drained (a page with none waiting), it is let in and answered."""
+    profile = SimProfile(max_batch=MAX_BATCH, prefill_base_ms=20, tokens_per_s=200, output_tokens=4)
+    limits = httpx.Limits(max_connections=50, max_keepalive_connections=20)
+    async with (
+        sims(profile) as (sim,),
+        httpx.AsyncClient(timeout=WATCHDOG_S, limits=limits) as client,
+    ):
+        settings = gateway_settings(
+            {"up": vllm(sim)},
+            [{"name": "m", "deployments": [{"provider": "up", "model": "local"}]}],
+            routing={"bulk": {"reserve_slots": 0}},
+        )
+        async with run_gateway(settings) as gw:
+            await sim.hold(client, MAX_BATCH + 1)  # every slot taken, one more waiting
+            interactive = asyncio.create_task(ask(client, gw.url))
+            await sim.wait(lambda s: s.waiting == 2)  # the interactive request queues too
+            await sim.read_by_gateway()
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            bulk = asyncio.create_task(
+                client.post(gw.url + "/v1/chat/completions", json=body, headers=BULK)
+            )
+            await gate_shows(client, gw.url, limit=0, waiting=1)
+            assert not bulk.done()
+            await sim.release()  # the held requests go: the queue drains
+            assert served_well(await interactive)
+            answer = await bulk
+    assert answer.status_code == 200
+    assert "queue;dur=" in answer.headers["server-timing"]
+
+
+async def gate_shows(client: httpx.AsyncClient, url: str, *, limit: int, waiting: int) -> None:
+    """Return once the gateway's metrics show this bulk limit and queue on `up/local`."""
+    want = {
+        f'tailguard_bulk_concurrency_limit{{deployment="up/local"}} {float(limit)}',
+        f'tailguard_bulk_waiting{{deployment="up/local"}} {float(waiting)}',
+    }
+    async with asyncio.timeout(WATCHDOG_S):
+        while True:
+            page = (await client.get(url + "/metrics")).text
+            if want <= set(page.splitlines()):
+                return
+            await asyncio.sleep(0.01)  # a poll with a deadline, for a state

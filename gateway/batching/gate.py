@@ -1,43 +1,123 @@
-"""Admission of bulk chat traffic: bulk fills a deployment's idle capacity and yields under
-pressure.
+"""Admission of bulk traffic: bulk fills a deployment's idle capacity and yields under pressure.
 
-Each deployment has a concurrency limit for bulk requests, steered by the first-token times of
-its *interactive* requests relative to their budgets (AIMD, as TCP does with its window): when
-one comes in above `backoff_at` of its budget, the limit halves (at most once per `cooldown_s`,
-so one congestion episode counts once); while they stay below `grow_below` of their budgets, or
-there is no interactive traffic at all, and bulk requests are waiting, it grows by one at a time.
-Bulk requests beyond the limit wait in a bounded queue; beyond it they get a 503.
+Each deployment has a limit for bulk work in flight, counted in *slot-equivalents*: one upstream
+sequence, what one batch slot of the server runs. A bulk chat of `n` choices weighs `n`; a
+micro-batch of completions weighs its prompts times `n`; a micro-batch of embeddings weighs its
+inputs over `embedding_inputs_per_slot` (vLLM runs each input as a sequence: 1), at least 1.
+Work heavier than the whole limit runs alone rather than never.
+
+The limit is steered by the first-token times of the deployment's *interactive* requests (AIMD,
+as TCP does with its window): one above `backoff_at` of its budget halves it (at most once per
+`cooldown_s`, so one congestion episode counts once); while they stay under `grow_below` of
+their budgets, or there is no interactive traffic at all, and bulk work is waiting, it grows by
+one at a time. Bulk requests beyond the limit wait in a bounded queue; beyond it, a 503.
+
+On a vLLM deployment whose load is known (its metrics scraped), the gate steers on the server
+itself as well:
+
+- Capacity. The limit never exceeds the server's learned batch slots (`ServerState.slots`, else
+  `max_concurrency`), less the interactive requests in flight on it; on a first-come-first-served
+  server (no `bulk_priority`) less `reserve_slots` too, so an interactive arrival finds a free
+  slot instead of a queue of bulk (a batch job running alone leaves them free as well: the
+  first interactive user after it would otherwise wait for a bulk sequence to end).
+- The queue. A scrape showing requests waiting, or the KV cache at `kv_full`, means the server
+  is full: with interactive requests present, a FIFO server gets no more bulk until a scrape
+  shows room again, and the limit halves; a server that serves bulk at a lower priority orders
+  its own queue, so there the limit only stops growing (and halves when the KV cache is full).
+- The unloaded TTFT. An interactive first token more than `backoff_over_unloaded` times the
+  fastest of the last minute (per prompt band) halves the limit long before a loose budget is
+  at risk; growth waits for first tokens under `grow_under_unloaded` times it.
+
+Without known load (an OpenAI-type provider, or metrics failing) the budget-based AIMD alone
+steers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.config import BulkSpec
 from gateway.errors import OverloadedError
+from gateway.providers.vllm import ServerLoad, ServerState
 
 GROW_EVERY_S = 1.0  # additive increase: at most one step per this long
 SETTLE_S = 2.0  # and none this soon after a cut: the queue it left must drain first
-QUIET_S = 1.0  # no interactive first token for this long: the deployment is idle
+QUIET_S = 1.0  # no interactive request for this long: the deployment is idle
+FLOOR_S = 30.0  # the unloaded TTFT: the fastest interactive first token of the last 30-60 s
+FLOOR_SAMPLES = 5  # first tokens needed before that floor is trusted
+_EPSILON = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """The vLLM server behind a deployment, as the gate reads it."""
+
+    state: ServerState
+    prioritized: bool = False  # bulk is sent with a lower vLLM `priority`
+
+
+@dataclass(slots=True)
+class _Floor:
+    """The fastest first token of the last one to two windows of FLOOR_S."""
+
+    since: float
+    current: float = math.inf
+    previous: float = math.inf
+    samples: int = 0
+
+    def value(self, now: float) -> float | None:
+        self._rotate(now)
+        if self.samples < FLOOR_SAMPLES:
+            return None
+        return min(self.current, self.previous)
+
+    def add(self, ttft_s: float, now: float) -> None:
+        self._rotate(now)
+        self.current = min(self.current, ttft_s)
+        self.samples += 1
+
+    def _rotate(self, now: float) -> None:
+        if now - self.since >= FLOOR_S:
+            gone = now - self.since >= 2 * FLOOR_S
+            self.previous = math.inf if gone else self.current
+            self.current, self.since = math.inf, now
 
 
 @dataclass(slots=True)
 class _Lane:
     limit: float
-    running: int = 0
-    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+    upstream: Upstream | None
+    units: float = 0.0  # bulk slot-equivalents in flight
+    waiters: deque[tuple[asyncio.Future[None], float]] = field(default_factory=deque)
+    interactive: int = 0  # interactive requests in flight
+    shown: bool = False  # bulk or a first token was seen: the lane is in the metrics
+    full: bool = False  # the latest scrape showed the server full
+    seen: ServerLoad | None = None  # the scrape `full` was read from
+    floors: dict[str, _Floor] = field(default_factory=dict)  # by prompt band
+    timer: asyncio.TimerHandle | None = None
     last_cut: float = -1e9
     last_grow: float = -1e9
     last_interactive: float = -1e9
 
 
 class BulkGate:
-    def __init__(self, spec: BulkSpec, *, clock: Callable[[], float] = time.monotonic) -> None:
+    """The bulk limits of every deployment. `servers`: the vLLM server behind each deployment
+    whose metrics are scraped (by deployment id)."""
+
+    def __init__(
+        self,
+        spec: BulkSpec,
+        *,
+        servers: Mapping[str, Upstream] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._spec = spec
+        self._servers = dict(servers or {})
         self._clock = clock
         self._lanes: dict[str, _Lane] = {}
         self.rejected = 0
@@ -45,49 +125,88 @@ class BulkGate:
     def _lane(self, deployment: str) -> _Lane:
         lane = self._lanes.get(deployment)
         if lane is None:
-            lane = self._lanes[deployment] = _Lane(float(self._spec.initial_concurrency))
+            lane = _Lane(float(self._spec.initial_concurrency), self._servers.get(deployment))
+            self._lanes[deployment] = lane
         return lane
 
     def limits(self) -> dict[str, int]:
-        """The current bulk concurrency limit per deployment (for metrics)."""
-        return {d: int(lane.limit) for d, lane in self._lanes.items()}
+        """The bulk limit in force per deployment, in slot-equivalents (for metrics)."""
+        now = self._clock()
+        out = {}
+        for d, lane in self._lanes.items():
+            if lane.shown:
+                self._steer(lane, now)
+                out[d] = int(self._allowed(lane, now) + _EPSILON)
+        return out
 
     def waiting(self) -> dict[str, int]:
-        return {d: len(lane.waiters) for d, lane in self._lanes.items()}
+        return {d: len(lane.waiters) for d, lane in self._lanes.items() if lane.shown}
 
-    def observe(self, deployment: str, ttft_s: float, budget_s: float) -> None:
-        """An interactive request's first token on `deployment`, against its TTFT budget."""
+    def batch_weight(self, endpoint: str, inputs: int, n: int = 1) -> float:
+        """The slot-equivalents of a micro-batch of `inputs` (embeddings or prompts)."""
+        if endpoint == "embeddings":
+            return max(1.0, inputs / self._spec.embedding_inputs_per_slot)
+        return float(max(1, inputs * max(1, n)))
+
+    # -- interactive traffic --
+
+    def enter(self, deployment: str) -> None:
+        """An interactive request began on `deployment`; `leave` when it ends."""
         lane = self._lane(deployment)
-        now = self._clock()
-        lane.last_interactive = now
-        ratio = ttft_s / budget_s
-        spec = self._spec
-        if ratio > spec.backoff_at:
-            if now - lane.last_cut >= spec.cooldown_s:
-                lane.limit = max(float(spec.min_concurrency), lane.limit / 2)
-                lane.last_cut = now
-        elif ratio < spec.grow_below:
-            self._grow(lane, now)
+        lane.interactive += 1
+        lane.last_interactive = self._clock()
 
-    def _grow(self, lane: _Lane, now: float) -> None:
-        if (
-            lane.waiters
-            and now - lane.last_grow >= GROW_EVERY_S
-            and now - lane.last_cut >= SETTLE_S
-        ):
-            lane.limit = min(float(self._spec.max_concurrency), lane.limit + 1)
-            lane.last_grow = now
+    def leave(self, deployment: str) -> None:
+        lane = self._lane(deployment)
+        lane.interactive -= 1
+        lane.last_interactive = self._clock()
+        if lane.waiters:
             self._wake(lane)
 
-    async def acquire(self, deployment: str) -> None:
-        """Take a bulk slot on `deployment`, waiting for one; raises OverloadedError when too
-        many bulk requests are already waiting. Give it back with `release`."""
+    def observe(
+        self, deployment: str, ttft_s: float, budget_s: float | None, band: str = "short"
+    ) -> None:
+        """An interactive request's first token on `deployment`, against its TTFT budget and,
+        on vLLM with known load, the unloaded TTFT of its prompt band."""
         lane = self._lane(deployment)
+        lane.shown = True
         now = self._clock()
-        if now - lane.last_interactive >= QUIET_S:
+        lane.last_interactive = now
+        self._steer(lane, now)
+        spec = self._spec
+        slow = fast = False
+        if budget_s:
+            ratio = ttft_s / budget_s
+            slow, fast = ratio > spec.backoff_at, ratio < spec.grow_below
+        if lane.upstream is not None:
+            floor = lane.floors.get(band)
+            if floor is None:
+                floor = lane.floors[band] = _Floor(now)
+            unloaded = floor.value(now)
+            floor.add(ttft_s, now)
+            if unloaded is not None and lane.upstream.state.current() is not None:
+                slow = slow or ttft_s > unloaded * spec.backoff_over_unloaded
+                under = ttft_s < unloaded * spec.grow_under_unloaded
+                fast = under and (fast or not budget_s)
+        if slow:
+            self._cut(lane, now)
+        elif fast:
+            self._grow(lane, now)
+
+    # -- bulk work --
+
+    async def acquire(self, deployment: str, weight: float = 1.0) -> None:
+        """Take `weight` slot-equivalents of bulk on `deployment`, waiting for them; raises
+        OverloadedError when too many bulk requests are already waiting. Give them back with
+        `release`."""
+        lane = self._lane(deployment)
+        lane.shown = True
+        now = self._clock()
+        self._steer(lane, now)
+        if now - lane.last_interactive >= QUIET_S and not lane.interactive:
             self._grow(lane, now)  # nobody interactive to protect: use the idle capacity
-        if lane.running < int(lane.limit) and not lane.waiters:
-            lane.running += 1
+        if not lane.waiters and self._fits(lane, weight, now):
+            lane.units += weight
             return
         if len(lane.waiters) >= self._spec.max_queue:
             self.rejected += 1
@@ -96,24 +215,123 @@ class BulkGate:
                 retry_after_s=1.0,
             )
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        lane.waiters.append(waiter)
+        lane.waiters.append((waiter, weight))
+        self._arm(deployment, lane)
         try:
             await waiter
         except asyncio.CancelledError:
-            if waiter in lane.waiters:
-                lane.waiters.remove(waiter)
-            elif waiter.done() and not waiter.cancelled():
-                self.release(deployment)  # a slot was handed over as we left: pass it on
+            if not waiter.done() or waiter.cancelled():
+                self._drop(lane, waiter)
+            else:
+                self.release(deployment, weight)  # handed over as we left: pass it on
             raise
 
-    def release(self, deployment: str) -> None:
+    def release(self, deployment: str, weight: float = 1.0) -> None:
         lane = self._lane(deployment)
-        lane.running -= 1
-        self._wake(lane)
+        lane.units = max(0.0, lane.units - weight)
+        if lane.waiters:
+            self._steer(lane, self._clock())
+            self._wake(lane)
+
+    # -- the policy --
+
+    def _capacity(self, lane: _Lane) -> float:
+        """What the server can run at once: its learned slots, else `max_concurrency`."""
+        cap = float(self._spec.max_concurrency)
+        if lane.upstream is not None and lane.upstream.state.slots:
+            cap = min(cap, lane.upstream.state.slots)
+        return cap
+
+    def _allowed(self, lane: _Lane, now: float) -> float:
+        """The bulk slot-equivalents admitted now: the steered limit within the server's room."""
+        up = lane.upstream
+        if up is None:
+            return lane.limit
+        present = lane.interactive > 0 or now - lane.last_interactive < QUIET_S
+        if lane.full and present and not up.prioritized:
+            return 0.0  # a FIFO server with a queue: bulk must not add to it
+        cap = self._capacity(lane)
+        if not up.prioritized:  # interactive arrivals queue behind whatever bulk holds
+            cap = max(cap - self._spec.reserve_slots, 1.0)
+        return max(0.0, min(lane.limit, cap - lane.interactive))
+
+    def _fits(self, lane: _Lane, weight: float, now: float) -> bool:
+        allowed = self._allowed(lane, now)
+        if lane.units + weight <= allowed + _EPSILON:
+            return True
+        return lane.units <= 0 and allowed >= 1  # heavier than the limit: alone
+
+    def _steer(self, lane: _Lane, now: float) -> None:
+        """Read a new scrape of the lane's server once: is it full?"""
+        up = lane.upstream
+        if up is None:
+            return
+        # Learned or not, the server's capacity bounds the limit: a quiet spell grows no further.
+        lane.limit = min(lane.limit, max(self._capacity(lane), self._spec.min_concurrency))
+        load = up.state.current()
+        if load is None:
+            lane.full, lane.seen = False, None  # unknown: the budgets alone steer
+            return
+        if load is lane.seen:
+            return
+        lane.seen = load
+        kv_full = load.kv_usage is not None and load.kv_usage >= self._spec.kv_full
+        lane.full = load.waiting > 0 or kv_full
+        present = lane.interactive > 0 or now - lane.last_interactive < QUIET_S
+        if present and (kv_full or (lane.full and not up.prioritized)):
+            self._cut(lane, now)
+
+    def _cut(self, lane: _Lane, now: float) -> None:
+        if now - lane.last_cut >= self._spec.cooldown_s:
+            lane.limit = max(float(self._spec.min_concurrency), lane.limit / 2)
+            lane.last_cut = now
+
+    def _grow(self, lane: _Lane, now: float) -> None:
+        if (
+            lane.waiters
+            and not lane.full
+            and now - lane.last_grow >= GROW_EVERY_S
+            and now - lane.last_cut >= SETTLE_S
+        ):
+            lane.limit = min(max(self._capacity(lane), lane.limit), lane.limit + 1)
+            lane.last_grow = now
+            self._wake(lane)
 
     def _wake(self, lane: _Lane) -> None:
-        while lane.waiters and lane.running < int(lane.limit):
-            waiter = lane.waiters.popleft()
-            if not waiter.done():
-                lane.running += 1  # handed over: the waiter owns this slot now
-                waiter.set_result(None)
+        now = self._clock()
+        while lane.waiters:
+            waiter, weight = lane.waiters[0]
+            if waiter.done():  # cancelled: it leaves the line
+                lane.waiters.popleft()
+                continue
+            if not self._fits(lane, weight, now):
+                return
+            lane.waiters.popleft()
+            lane.units += weight  # handed over: the waiter owns these now
+            waiter.set_result(None)
+
+    def _drop(self, lane: _Lane, waiter: asyncio.Future[None]) -> None:
+        for entry in lane.waiters:
+            if entry[0] is waiter:
+                lane.waiters.remove(entry)
+                break
+        self._wake(lane)  # it may have blocked lighter work behind it
+
+    def _arm(self, deployment: str, lane: _Lane) -> None:
+        """With bulk waiting and none in flight, no release will wake it: a timer looks again
+        (a new scrape may show room; interactive traffic may have gone quiet)."""
+        if lane.timer is not None or lane.units > 0 or not lane.waiters:
+            return
+        every = lane.upstream.state.interval_s if lane.upstream is not None else QUIET_S
+        loop = asyncio.get_running_loop()
+        lane.timer = loop.call_later(every, self._recheck, deployment)
+
+    def _recheck(self, deployment: str) -> None:
+        lane = self._lanes[deployment]
+        lane.timer = None
+        now = self._clock()
+        self._steer(lane, now)
+        if now - lane.last_interactive >= QUIET_S and not lane.interactive:
+            self._grow(lane, now)
+        self._wake(lane)
+        self._arm(deployment, lane)

@@ -140,15 +140,19 @@ class BatchingProvider:
     ) -> None:
         parts = [item.payload for item in batch]
         gate = self._gate
+        weight = 0.0
         if gate is not None:
-            # A batch is bulk work on the deployment: it takes a bulk slot, so batches yield
-            # to interactive traffic the way bulk chat does.
-            await gate.acquire(self.deployment)
+            # A batch is bulk work on the deployment: it takes the slot-equivalents its inputs
+            # ask of the server, so batches yield to interactive traffic the way bulk chat does.
+            inputs = sum(len(p.inputs) for p in parts)
+            n = parts[0].body.get("n")
+            weight = gate.batch_weight(endpoint, inputs, n if isinstance(n, int) else 1)
+            await gate.acquire(self.deployment, weight)
         try:
             await self._send_parts(endpoint, headers, batch, parts)
         finally:
             if gate is not None:
-                gate.release(self.deployment)
+                gate.release(self.deployment, weight)
 
     async def _send_parts(
         self,
