@@ -1,14 +1,18 @@
-"""Sequences decoded step by step: priority scheduling with preemption, and speculative decoding.
+"""Sequences decoded step by step: preemption (priority scheduling, a KV-cache limit) and
+speculative decoding.
 
 The plain path (`gateway.sim.timeline`) sleeps once for a whole constant-speed decode; a model
-with `scheduling_policy: priority` or `spec_tokens` takes this one instead, where a sequence
-holds a `Ticket` on its pool and every decode step is a point in time:
+with `scheduling_policy: priority`, `kv_cache_tokens` or `spec_tokens` takes this one, where a
+sequence holds a `Ticket` on its pool and every decode step is a point in time:
 
 - A sequence may be preempted at any moment (`PriorityPool`): a sleep (prefill or a step) ends
   at once, the step under way is lost, and it waits for a slot again at its original place.
   Scheduled again, it prefills its prompt and the tokens it has generated, less what the prefix
   cache holds (vLLM's preemption by recompute), which makes its next token, then goes on where
   it stopped. A stream stays open and pauses meanwhile.
+- Under a KV-cache limit a sequence is seated once its prompt (and the tokens to recompute)
+  fits, and each token it makes takes room there: a token that finds the cache full preempts a
+  sequence (`PriorityPool.hold`), maybe its own, whose step is then lost with it.
 - With speculation each target step costs `Speculation.step_cost` plain steps (still slowed by
   a full batch) and yields one token plus the accepted run of the draft (drawn from the
   sequence's own seeded RNG), capped at the tokens left; a stream sends them back to back.
@@ -102,7 +106,7 @@ async def steps(plan: Plan, limit: int) -> AsyncGenerator[int, None]:
     cost = 1.0 if spec is None else spec.step_cost
     step_s, slowdown = target.step_s, target.profile.batch_slowdown
     loop = asyncio.get_running_loop()
-    ticket = pool.ticket(plan.priority)
+    ticket = pool.ticket(plan.priority, plan.prompt_tokens, 1)  # its KV: the prompt, then more
     made = 0
     last = due = 0.0  # simulated times of the last token and of the next step's end
     try:
@@ -110,9 +114,10 @@ async def steps(plan: Plan, limit: int) -> AsyncGenerator[int, None]:
         await _regain(pool, ticket)
         prefill_s = schedule(plan)
         while True:  # seated: (re)prefill, then decode until done or preempted
-            pool.hold(ticket, plan.prompt_tokens + made)
             if prefill_s:
                 await _nap(loop, ticket, prefill_s)
+            if not ticket.preempted:  # a full KV cache may preempt it for its new token
+                pool.hold(ticket, 1)
             if not ticket.preempted:  # a prefill makes a token: the first, or the next one
                 now = loop.time()
                 if not made:
@@ -121,7 +126,6 @@ async def steps(plan: Plan, limit: int) -> AsyncGenerator[int, None]:
                 else:
                     metrics.itl.observe(now - last)
                 made += 1
-                pool.hold(ticket, 1)
                 metrics.generation_tokens += 1
                 last = due = now
                 yield made
@@ -134,12 +138,15 @@ async def steps(plan: Plan, limit: int) -> AsyncGenerator[int, None]:
                             break
                     count = 1
                     if spec is not None:
-                        assert rng is not None and counters is not None
-                        accepted = min(spec.draw(rng), limit - made - 1)
-                        counters.step(spec.k, accepted)
-                        count += accepted
-                    made += count
+                        assert rng is not None
+                        count += min(spec.draw(rng), limit - made - 1)
                     pool.hold(ticket, count)
+                    if ticket.preempted:  # no KV for the step's tokens: it was the one to go
+                        break
+                    if spec is not None:
+                        assert counters is not None
+                        counters.step(spec.k, count - 1)
+                    made += count
                     metrics.generation_tokens += count
                     metrics.itl.observe(due - last)
                     if count > 1:  # the step's other tokens follow at once
@@ -200,12 +207,11 @@ async def frames(plan: Plan, frames: Frames, sent: list[int]) -> AsyncGenerator[
 async def work(pool: Pool, work_s: float, prompt_tokens: int, priority: int) -> None:
     """A non-generating request on a ticket: hold a slot for `work_s`; preempted, start over."""
     loop = asyncio.get_running_loop()
-    ticket = pool.ticket(priority)
+    ticket = pool.ticket(priority, prompt_tokens)
     try:
         await pool.admit(ticket)
         while True:
             await _regain(pool, ticket)
-            pool.hold(ticket, prompt_tokens)
             if work_s:
                 await _nap(loop, ticket, work_s)
             if not ticket.preempted:

@@ -1,12 +1,12 @@
 """The simulated LLM upstream: an OpenAI-compatible server modelled well enough to study latency.
 
 Time to first token is queueing (for one of `max_batch` slots, first come first served or by
-vLLM's request `priority`, with preemption) plus prefill (a base cost plus a cost per prompt
-token, optionally with a heavy tail). Decoding runs at `tokens_per_s`, each step slower as the
-batch fills (continuous batching), optionally speculative (`gateway.sim.decode`). A completions
-request with several prompts (or `n` > 1) runs one sequence per choice, each in its own slot, as
-vLLM does. Faults and every other random choice are drawn by the planner
-(`gateway.sim.planner`) from one seeded RNG.
+vLLM's request `priority`, with preemption; optionally for room in the KV cache) plus prefill
+(a base cost plus a cost per prompt token, optionally with a heavy tail). Decoding runs at
+`tokens_per_s`, each step slower as the batch fills (continuous batching), optionally
+speculative (`gateway.sim.decode`). A completions request with several prompts (or `n` > 1)
+runs one sequence per choice, each in its own slot, as vLLM does. Faults and every other random
+choice are drawn by the planner (`gateway.sim.planner`) from one seeded RNG.
 
 Every parameter a client sends is honoured (`n`, `stop`, `logprobs`, `tools` and `tool_choice`,
 `response_format`, `seed`, `max_tokens`, ...), accepted as a hint that changes nothing in a

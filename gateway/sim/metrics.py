@@ -181,9 +181,10 @@ class MetricsPage:
 
         Labelled `model_name` and `engine="0"`, as one vLLM engine labels them. `running` holds
         batch slots, `waiting` queues for one; `kv_cache_usage_perc` is the prompt plus generated
-        tokens of the running sequences over `max_batch x kv_tokens_per_seq` (capped at 1). TTFT
-        runs from the request's arrival to its first token, per sequence; the inter-token
-        histogram takes one decode step per token after the first; e2e, arrival to the last token
+        tokens of the running sequences over `kv_cache_tokens`, or `max_batch x
+        kv_tokens_per_seq` without it (capped at 1). TTFT runs from the request's arrival to its
+        first token, per sequence; the inter-token histogram takes one decode step per token
+        after the first; e2e, arrival to the last token
         of a finished (not aborted) sequence. `request_success_total{finished_reason}` counts
         `stop`, `length` and `abort` (a client that left, a cut stream); prompt tokens are
         counted at prefill, generated ones as they are made. `prefix_cache_queries` and

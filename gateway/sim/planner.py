@@ -52,7 +52,8 @@ class Target:
     step_s: float  # one decode step with the batch empty; 0: no decode delay
     cache: PrefixCache | None  # the model name's prefix cache; None: off
     speculation: Speculation | None = None  # None: plain decoding
-    # Decoded step by step (`gateway.sim.decode`): priority scheduling or speculation is on.
+    # Decoded step by step (`gateway.sim.decode`): priority scheduling, a KV-cache limit or
+    # speculation is on.
     stepwise: bool = False
 
     def prefill_s(self, tokens: int, factor: float) -> float:
@@ -94,8 +95,8 @@ class Plan:
 
 
 class Deployments:
-    """Model names resolved to targets: one simulated deployment per name, batch size and
-    scheduling policy.
+    """Model names resolved to targets: one simulated deployment per name, batch size,
+    scheduling policy and KV-cache limit.
 
     `name@key=value,key=lo-hi` runs `name`'s profile (or the default) with fields replaced; a
     name is resolved once (up to a cache size), and its first use adds it to the metrics page.
@@ -112,7 +113,7 @@ class Deployments:
         self._default = default
         self._stats = stats
         self._page = page
-        self._pools: dict[tuple[str, int, str], Pool] = {}
+        self._pools: dict[tuple[str, int, str, int | None], Pool] = {}
         self._caches: dict[tuple[str, int], PrefixCache] = {}
         self.resolve = functools.lru_cache(maxsize=_OVERRIDE_CACHE_SIZE)(self._resolve_uncached)
 
@@ -127,15 +128,18 @@ class Deployments:
                 profile = apply_overrides(profile, spec)
             except ValueError as exc:
                 raise BadRequestError(f"bad override in model {model!r}: {exc}", "model") from None
-        policy = profile.scheduling_policy
-        pool_key = (name, profile.max_batch, policy)
+        policy, kv_limit = profile.scheduling_policy, profile.kv_cache_tokens
+        pool_key = (name, profile.max_batch, policy, kv_limit)
         pool = self._pools.get(pool_key)
         metrics = self._page.model(name)
         if pool is None:
-            kind = PriorityPool if policy == "priority" else Pool
-            pool = self._pools[pool_key] = kind(
-                profile.max_batch, self._stats, metrics, profile.kv_tokens_per_seq
-            )
+            if policy == "priority" or kv_limit is not None:  # fcfs: every priority is 0
+                pool = PriorityPool(
+                    profile.max_batch, self._stats, metrics, profile.kv_tokens_per_seq, kv_limit
+                )
+            else:
+                pool = Pool(profile.max_batch, self._stats, metrics, profile.kv_tokens_per_seq)
+            self._pools[pool_key] = pool
         speculation = None
         if profile.spec_tokens:
             speculation = Speculation(
@@ -162,7 +166,7 @@ class Deployments:
             step_s=1 / profile.tokens_per_s if profile.tokens_per_s else 0.0,
             cache=cache,
             speculation=speculation,
-            stepwise=speculation is not None or policy == "priority",
+            stepwise=speculation is not None or policy == "priority" or kv_limit is not None,
         )
 
 

@@ -207,9 +207,23 @@ class SimProfile(BaseModel):
     kv_tokens_per_seq: int = Field(
         2048,
         ge=1,
-        description="KV-cache room per batch slot, in tokens: the simulated cache holds max_batch "
-        "x this, and `kv_cache_usage_perc` is the prompt plus generated tokens of the running "
-        "sequences over it (an approximation: vLLM counts allocated blocks).",
+        description="KV-cache room per batch slot, in tokens: without `kv_cache_tokens` the "
+        "simulated cache holds max_batch x this, and `kv_cache_usage_perc` is the prompt plus "
+        "generated tokens of the running sequences over it (an approximation: vLLM counts "
+        "allocated blocks).",
+    )
+    kv_cache_tokens: Annotated[int | None, BeforeValidator(_none_word)] = Field(
+        None,
+        ge=1,
+        description="The KV cache's capacity in tokens, as a limit (`kv_cache_usage_perc` is "
+        "then over it): a waiting sequence is scheduled once a slot is free and its prompt, "
+        "plus the token its prefill makes, fits in the free KV, in queue order (the head that "
+        "does not fit holds back those behind it, as in vLLM); each generated token takes one "
+        "more, and a token that finds the cache full preempts the running sequence of the "
+        "lowest priority, the latest arrival among equals (under `fcfs`: the latest arrival), "
+        "maybe its own, by recompute; under `priority` an arrival that does not fit also "
+        "preempts running sequences of strictly lower priority when that makes room. Counted in "
+        "`vllm:num_preemptions_total`. None (`none` in an override): only the slots limit.",
     )
     metrics_names: MetricsNames = Field(
         "current",

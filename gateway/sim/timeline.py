@@ -3,8 +3,8 @@
 A request stalls once; then each of its sequences (one per choice) queues for a slot of its own,
 looks its prompt up in the prefix cache as it is scheduled, prefills what the cache lacks, and
 decodes its tokens, one step each. A stream of several choices interleaves their frames as they
-are made. With every delay at zero nothing sleeps. A model that schedules by priority or decodes
-speculatively runs its sequences step by step instead (`gateway.sim.decode`).
+are made. With every delay at zero nothing sleeps. A model that schedules by priority, limits its
+KV cache or decodes speculatively runs its sequences step by step instead (`gateway.sim.decode`).
 """
 
 from __future__ import annotations
