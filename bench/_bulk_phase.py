@@ -207,6 +207,7 @@ def run_phase(
             time.sleep(window.duration_s)
     cpu1, wall1 = {k: proc_cpu_s(p) for k, p in watched.items()}, time.perf_counter()
     batched1 = batch_totals(port)
+    preempted = metric_samples(port, "tailguard_bulk_preemptions_total")
     cpu: dict[str, float | None] = {}
     for key in watched:
         start, end = cpu0[key], cpu1[key]
@@ -223,6 +224,8 @@ def run_phase(
         "gateway_cpu": cpu["gateway"],
         "gate": sampler.summary(int(SIM_PROFILE["max_batch"])),
         "gate_limit_samples": sampler.limits,
+        # Bulk work the gate took a FIFO server's slot back from (a fresh gateway per phase).
+        "preemptions": preempted.get(f'{{deployment="{DEPLOYMENT}"}}', 0.0),
     }
     calls = batched1[1] - batched0[1]
     phase["batched_inputs_per_call"] = (batched1[0] - batched0[0]) / calls if calls else None

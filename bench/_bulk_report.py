@@ -148,6 +148,7 @@ def _row(mode: str, name: str, phase: dict[str, Any], alone: float | None, kept:
     )
     cpu = phase["gateway_cpu"]
     cpu_s = "-" if cpu is None else f"{cpu:.0%}"
+    gate_s += f" | {phase.get('preemptions', 0):.0f}"
     if ttft is None:  # bulk alone: no interactive traffic
         blank = " - |" * 6
         return f"| {mode} | {name} |{blank} {emb_s} | {chat_s} | {kept} | {gate_s} | {cpu_s} |"
@@ -211,9 +212,9 @@ def report(
         print(
             f"| server | phase | TTFT p50 | p90 | p99 | p99 vs alone | p99 after {SETTLE_S:g} s "
             "| errors | bulk embeddings (inputs/s) | bulk chat (req/s) | bulk vs bulk alone "
-            "| gate limit min/median/max | gateway CPU |"
+            "| gate limit min/median/max | bulk preempted | gateway CPU |"
         )
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
         for mode, phases in b.items():
             alone = phases["alone"]["ttft_ms"]["p99"]
             emb_kept, chat_kept = bulk_kept(phases)

@@ -10,13 +10,13 @@ import pytest
 
 from gateway.batching import BulkGate
 from gateway.batching.gate import Upstream
-from gateway.config import BulkSpec
+from gateway.config import BulkSpec, Settings
 from gateway.errors import OverloadedError
 from gateway.providers.vllm import Histogram, ServerLoad, ServerState
 from gateway.sim.profile import SimProfile
 from tests.conftest import gateway_settings, run_gateway
 from tests.test_batching import BULK
-from tests.test_vllm_routing import MAX_BATCH, WATCHDOG_S, ask, served_well, sims, vllm
+from tests.test_vllm_routing import MAX_BATCH, WATCHDOG_S, Sim, ask, served_well, sims, vllm
 
 
 class Clock:
@@ -263,3 +263,181 @@ async def gate_shows(client: httpx.AsyncClient, url: str, *, limit: int, waiting
             if want <= set(page.splitlines()):
                 return
             await asyncio.sleep(0.01)  # a poll with a deadline, for a state
+
+
+# --- preemption of bulk work on a FIFO server, through the real gateway -------------------------
+
+# Bulk chats take ~1.5 s; an interactive request ~40 ms: one that waited for a bulk sequence
+# would be served only after it ended.
+PREEMPT_PROFILE = SimProfile(
+    max_batch=MAX_BATCH, prefill_base_ms=20, tokens_per_s=100, output_tokens=100_000
+)
+BULK_TOKENS = 150
+
+
+def bulk_chat(client: httpx.AsyncClient, url: str) -> asyncio.Task[httpx.Response]:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "index this"}],
+        "max_tokens": BULK_TOKENS,
+    }
+    return asyncio.create_task(client.post(url + "/v1/chat/completions", json=body, headers=BULK))
+
+
+def answered_whole(response: httpx.Response) -> bool:
+    body = response.json()
+    choice = body["choices"][0]
+    return (
+        response.status_code == 200
+        and bool(choice["message"]["content"])
+        and choice["finish_reason"] == "length"
+        and body["usage"]["completion_tokens"] == BULK_TOKENS
+    )
+
+
+def preempted(response: httpx.Response) -> int:
+    """How often the gateway preempted a bulk response's work, from its server-timing."""
+    for entry in response.headers["server-timing"].split(", "):
+        if entry.startswith("preempted;"):
+            return int(entry.split('desc="')[1].rstrip('"'))
+    return 0
+
+
+async def preemptions(client: httpx.AsyncClient, url: str) -> float:
+    page = (await client.get(url + "/metrics")).text
+    for line in page.splitlines():
+        if line.startswith('tailguard_bulk_preemptions_total{deployment="up/local"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def nothing_failed(client: httpx.AsyncClient, url: str) -> bool:
+    """No attempt on the deployment ended but as won, and its breaker never opened."""
+    page = (await client.get(url + "/metrics")).text
+    attempts = [
+        line
+        for line in page.splitlines()
+        if line.startswith("tailguard_attempts_total{") and "up/local" in line
+    ]
+    cooled = [
+        line
+        for line in page.splitlines()
+        if line.startswith("tailguard_cooldowns_total{") and not line.endswith(" 0.0")
+    ]
+    return bool(attempts) and all('outcome="won"' in line for line in attempts) and not cooled
+
+
+async def learned_slots(client: httpx.AsyncClient, sim: Sim) -> None:
+    """Let the gateway learn the server's batch slots (a page with every slot busy and one
+    more waiting), then see it empty again."""
+    await sim.hold(client, MAX_BATCH + 1)
+    await sim.read_by_gateway()
+    await sim.release()
+    await sim.read_by_gateway()
+
+
+async def fill(client: httpx.AsyncClient, sim: Sim, url: str) -> list[asyncio.Task[httpx.Response]]:
+    """Two bulk chats through the gateway, one after the other, on both of the server's slots
+    (the second is the younger)."""
+    tasks = []
+    for running in (1, 2):
+        tasks.append(bulk_chat(client, url))
+        await sim.wait(lambda s, n=running: s.running == n)  # type: ignore[misc]
+    return tasks
+
+
+def preempting(sim: Sim, provider: dict[str, object] | None = None, **bulk: object) -> Settings:
+    return gateway_settings(
+        {"up": vllm(sim, **(provider or {}))},
+        [{"name": "m", "deployments": [{"provider": "up", "model": "local"}]}],
+        routing={"bulk": {"reserve_slots": 0, **bulk}},
+    )
+
+
+async def test_an_interactive_request_preempts_bulk_chat_on_a_full_fifo_server() -> None:
+    """Two bulk chats hold both slots of a FIFO server; an interactive request arrives. The
+    younger bulk chat is aborted upstream (the server counts a cancelled request), the
+    interactive request is served before either bulk chat ends, and the aborted one runs again
+    and answers 200 with its whole body; the abort is no failure (no error, no cooldown)."""
+    limits = httpx.Limits(max_connections=50, max_keepalive_connections=20)
+    async with (
+        sims(PREEMPT_PROFILE) as (sim,),
+        httpx.AsyncClient(timeout=WATCHDOG_S, limits=limits) as client,
+        run_gateway(preempting(sim)) as gw,
+    ):
+        await learned_slots(client, sim)
+        cancelled, completed = sim.stats.cancelled, sim.stats.completed
+        older, younger = await fill(client, sim, gw.url)
+        interactive = await ask(client, gw.url, max_tokens=2)
+        assert served_well(interactive)
+        assert not older.done() and not younger.done()  # it waited for neither
+        assert sim.stats.completed == completed + 1
+        assert sim.stats.cancelled == cancelled + 1  # the younger one, aborted
+        first, second = await older, await younger
+        assert answered_whole(first) and answered_whole(second)
+        assert (preempted(first), preempted(second)) == (0, 1)
+        assert second.headers["x-tailguard-deployment"] == "up/local"
+        assert await preemptions(client, gw.url) == 1
+        assert await nothing_failed(client, gw.url)
+
+
+async def test_bulk_work_is_preempted_at_most_max_preemptions_times() -> None:
+    """With max_preemptions 1, the first interactive arrival preempts the younger bulk chat,
+    the second the older one (the younger was preempted once already), and a third preempts
+    nothing: it waits at the server, and both bulk chats still answer in full."""
+    limits = httpx.Limits(max_connections=50, max_keepalive_connections=20)
+    async with (
+        sims(PREEMPT_PROFILE) as (sim,),
+        httpx.AsyncClient(timeout=WATCHDOG_S, limits=limits) as client,
+        run_gateway(preempting(sim, max_preemptions=1)) as gw,
+    ):
+        await learned_slots(client, sim)
+        cancelled = sim.stats.cancelled
+        older, younger = await fill(client, sim, gw.url)
+        for aborted in (1, 2):
+            assert served_well(await ask(client, gw.url, max_tokens=2))
+            assert sim.stats.cancelled == cancelled + aborted
+            await sim.wait(lambda s: s.running == 2)  # the aborted one runs again
+        third = asyncio.create_task(ask(client, gw.url, max_tokens=2))
+        await sim.wait(lambda s: s.waiting == 1)  # no slot was freed for it
+        assert served_well(await third)
+        first, second = await older, await younger
+        assert answered_whole(first) and answered_whole(second)
+        assert (preempted(first), preempted(second)) == (1, 1)
+        assert await preemptions(client, gw.url) == 2
+        assert sim.stats.cancelled == cancelled + 2
+
+
+@pytest.mark.parametrize("mode", ["off", "bulk_priority"])
+async def test_no_gateway_preemption_when_off_or_the_server_orders_bulk_itself(
+    mode: str,
+) -> None:
+    """`preempt: false`, or a provider with `bulk_priority` (the server preempts bulk itself):
+    the gateway aborts nothing; the interactive request is served all the same."""
+    profile = PREEMPT_PROFILE
+    if mode == "bulk_priority":
+        profile = PREEMPT_PROFILE.model_copy(update={"scheduling_policy": "priority"})
+    limits = httpx.Limits(max_connections=50, max_keepalive_connections=20)
+    async with (
+        sims(profile) as (sim,),
+        httpx.AsyncClient(timeout=WATCHDOG_S, limits=limits) as client,
+    ):
+        if mode == "off":
+            settings = preempting(sim, preempt=False)
+        else:
+            settings = preempting(sim, {"bulk_priority": 10})
+        async with run_gateway(settings) as gw:
+            await learned_slots(client, sim)
+            cancelled = sim.stats.cancelled
+            older, younger = await fill(client, sim, gw.url)
+            interactive = asyncio.create_task(ask(client, gw.url, max_tokens=2))
+            if mode == "off":
+                await sim.wait(lambda s: s.waiting == 1)  # it queues behind the bulk chats
+            else:
+                await sim.wait(lambda s: s.preemptions == 1)  # the server makes room itself
+            assert served_well(await interactive)
+            first, second = await older, await younger
+            assert answered_whole(first) and answered_whole(second)
+            assert preempted(first) == preempted(second) == 0
+            assert await preemptions(client, gw.url) == 0
+            assert sim.stats.cancelled == cancelled

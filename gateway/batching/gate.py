@@ -30,6 +30,9 @@ itself as well:
 
 Without known load (an OpenAI-type provider, or metrics failing) the budget-based AIMD alone
 steers.
+
+On a FIFO vLLM server the gate also takes a slot back for an interactive arrival that would
+queue there: it preempts the youngest bulk work in flight (see gateway/batching/preempt.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from gateway.batching.preempt import Hold, victims
 from gateway.config import BulkSpec
 from gateway.errors import OverloadedError
 from gateway.providers.vllm import ServerLoad, ServerState
@@ -99,15 +103,17 @@ class _Lane:
     full: bool = False  # the latest scrape showed the server full
     seen: ServerLoad | None = None  # the scrape `full` was read from
     floors: dict[str, _Floor] = field(default_factory=dict)  # by prompt band
+    holds: list[Hold] = field(default_factory=list)  # bulk work in flight that may be preempted
     timer: asyncio.TimerHandle | None = None
     last_cut: float = -1e9
     last_grow: float = -1e9
     last_interactive: float = -1e9
 
 
-class BulkGate:
-    """The bulk limits of every deployment. `servers`: the vLLM server behind each deployment
-    whose metrics are scraped (by deployment id)."""
+class _Steering:
+    """The bulk limits of every deployment and their steering; `BulkGate` admits bulk work
+    within them. `servers`: the vLLM server behind each deployment whose metrics are scraped
+    (by deployment id)."""
 
     def __init__(
         self,
@@ -121,6 +127,7 @@ class BulkGate:
         self._clock = clock
         self._lanes: dict[str, _Lane] = {}
         self.rejected = 0
+        self.preemptions: dict[str, int] = {}  # bulk work preempted, by deployment
 
     def _lane(self, deployment: str) -> _Lane:
         lane = self._lanes.get(deployment)
@@ -148,20 +155,7 @@ class BulkGate:
             return max(1.0, inputs / self._spec.embedding_inputs_per_slot)
         return float(max(1, inputs * max(1, n)))
 
-    # -- interactive traffic --
-
-    def enter(self, deployment: str) -> None:
-        """An interactive request began on `deployment`; `leave` when it ends."""
-        lane = self._lane(deployment)
-        lane.interactive += 1
-        lane.last_interactive = self._clock()
-
-    def leave(self, deployment: str) -> None:
-        lane = self._lane(deployment)
-        lane.interactive -= 1
-        lane.last_interactive = self._clock()
-        if lane.waiters:
-            self._wake(lane)
+    # -- steering on interactive first tokens --
 
     def observe(
         self, deployment: str, ttft_s: float, budget_s: float | None, band: str = "short"
@@ -192,46 +186,6 @@ class BulkGate:
             self._cut(lane, now)
         elif fast:
             self._grow(lane, now)
-
-    # -- bulk work --
-
-    async def acquire(self, deployment: str, weight: float = 1.0) -> None:
-        """Take `weight` slot-equivalents of bulk on `deployment`, waiting for them; raises
-        OverloadedError when too many bulk requests are already waiting. Give them back with
-        `release`."""
-        lane = self._lane(deployment)
-        lane.shown = True
-        now = self._clock()
-        self._steer(lane, now)
-        if now - lane.last_interactive >= QUIET_S and not lane.interactive:
-            self._grow(lane, now)  # nobody interactive to protect: use the idle capacity
-        if not lane.waiters and self._fits(lane, weight, now):
-            lane.units += weight
-            return
-        if len(lane.waiters) >= self._spec.max_queue:
-            self.rejected += 1
-            raise OverloadedError(
-                "Too many bulk requests are waiting for this deployment; retry later.",
-                retry_after_s=1.0,
-            )
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        lane.waiters.append((waiter, weight))
-        self._arm(deployment, lane)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if not waiter.done() or waiter.cancelled():
-                self._drop(lane, waiter)
-            else:
-                self.release(deployment, weight)  # handed over as we left: pass it on
-            raise
-
-    def release(self, deployment: str, weight: float = 1.0) -> None:
-        lane = self._lane(deployment)
-        lane.units = max(0.0, lane.units - weight)
-        if lane.waiters:
-            self._steer(lane, self._clock())
-            self._wake(lane)
 
     # -- the policy --
 
@@ -335,3 +289,127 @@ class BulkGate:
             self._grow(lane, now)
         self._wake(lane)
         self._arm(deployment, lane)
+
+
+class BulkGate(_Steering):
+    """Admission of bulk work within the steered limits, the interactive requests it leaves
+    room for, and preemption of bulk work for them on FIFO servers."""
+
+    # -- interactive traffic --
+
+    def enter(self, deployment: str) -> None:
+        """An interactive request began on `deployment`; `leave` when it ends."""
+        lane = self._lane(deployment)
+        ahead = lane.interactive
+        lane.interactive += 1
+        lane.last_interactive = self._clock()
+        if lane.holds:
+            self._make_room(deployment, lane, ahead)
+
+    def leave(self, deployment: str) -> None:
+        lane = self._lane(deployment)
+        lane.interactive -= 1
+        lane.last_interactive = self._clock()
+        if lane.waiters:
+            self._wake(lane)
+
+    # -- bulk work --
+
+    async def acquire(self, deployment: str, weight: float = 1.0) -> None:
+        """Take `weight` slot-equivalents of bulk on `deployment`, waiting for them; raises
+        OverloadedError when too many bulk requests are already waiting. Give them back with
+        `release`."""
+        lane = self._lane(deployment)
+        lane.shown = True
+        now = self._clock()
+        self._steer(lane, now)
+        if now - lane.last_interactive >= QUIET_S and not lane.interactive:
+            self._grow(lane, now)  # nobody interactive to protect: use the idle capacity
+        if not lane.waiters and self._fits(lane, weight, now):
+            lane.units += weight
+            return
+        if len(lane.waiters) >= self._spec.max_queue:
+            self.rejected += 1
+            raise OverloadedError(
+                "Too many bulk requests are waiting for this deployment; retry later.",
+                retry_after_s=1.0,
+            )
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        lane.waiters.append((waiter, weight))
+        self._arm(deployment, lane)
+        await self._turn(deployment, lane, waiter, weight)
+
+    async def _turn(
+        self, deployment: str, lane: _Lane, waiter: asyncio.Future[None], weight: float
+    ) -> None:
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if not waiter.done() or waiter.cancelled():
+                self._drop(lane, waiter)
+            else:
+                self.release(deployment, weight)  # handed over as we left: pass it on
+            raise
+
+    def release(self, deployment: str, weight: float = 1.0) -> None:
+        lane = self._lane(deployment)
+        lane.units = max(0.0, lane.units - weight)
+        if lane.waiters:
+            self._steer(lane, self._clock())
+            self._wake(lane)
+
+    # -- preemption (FIFO vLLM servers; see gateway/batching/preempt.py) --
+
+    def hold(self, deployment: str, weight: float, preemptions: int) -> Hold:
+        """Bulk work holding `weight` slot-equivalents starts: the gate may preempt it (set its
+        `abort`) until `unhold`."""
+        hold = Hold(deployment, weight, self._clock(), preemptions)
+        self._lane(deployment).holds.append(hold)
+        return hold
+
+    def unhold(self, hold: Hold, *, rejoining: bool = False) -> None:
+        """The work ended, or committed. A preempted one that is not `rejoining` the queue (it
+        finished anyway, or its caller left) takes its slot-equivalents back from its place in
+        line, so its owner's `release` stays right."""
+        lane = self._lane(hold.deployment)
+        if hold in lane.holds:
+            lane.holds.remove(hold)
+        waiter = hold.waiter
+        if hold.preempted and not rejoining and waiter is not None and not waiter.done():
+            lane.units += hold.weight  # before the line moves on without it
+            waiter.cancel()
+            self._drop(lane, waiter)
+
+    async def rejoin(self, hold: Hold) -> None:
+        """Wait at the head of the queue, where the preemption put `hold`, for its
+        slot-equivalents again."""
+        assert hold.waiter is not None
+        await self._turn(hold.deployment, self._lane(hold.deployment), hold.waiter, hold.weight)
+
+    def _make_room(self, deployment: str, lane: _Lane, ahead: int) -> None:
+        """An interactive request arrives with `ahead` others in flight: on a FIFO server with
+        no slot left for it (by the gate's count, or a queue in the last scrape), preempt the
+        youngest bulk work until one is."""
+        up, spec = lane.upstream, self._spec
+        if up is None or up.prioritized or not spec.preempt:
+            return
+        self._steer(lane, self._clock())
+        slots = up.state.slots
+        need = ahead + lane.units - slots + 1 if slots else 0.0
+        if lane.full:
+            need = max(need, 1.0)
+        freed = 0.0
+        for hold in victims(lane.holds, need, spec.max_preemptions):
+            if freed >= need:
+                break
+            if not hold.abort():
+                continue  # it has its answer already
+            hold.preempted = True
+            lane.holds.remove(hold)
+            lane.units = max(0.0, lane.units - hold.weight)
+            freed += hold.weight
+            hold.waiter = asyncio.get_running_loop().create_future()
+            lane.waiters.appendleft((hold.waiter, hold.weight))
+            self.preemptions[deployment] = self.preemptions.get(deployment, 0) + 1
+        if freed:
+            self._arm(deployment, lane)

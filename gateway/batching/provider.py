@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from gateway.batching.gate import BulkGate
+from gateway.batching.preempt import BulkWork
 from gateway.batching.queue import BatchQueue, Item, settle
 from gateway.config import BatchingSpec
 from gateway.errors import OverloadedError, ProviderError, ProviderRejectedError, inband_error
@@ -140,19 +141,24 @@ class BatchingProvider:
     ) -> None:
         parts = [item.payload for item in batch]
         gate = self._gate
-        weight = 0.0
-        if gate is not None:
-            # A batch is bulk work on the deployment: it takes the slot-equivalents its inputs
-            # ask of the server, so batches yield to interactive traffic the way bulk chat does.
-            inputs = sum(len(p.inputs) for p in parts)
-            n = parts[0].body.get("n")
-            weight = gate.batch_weight(endpoint, inputs, n if isinstance(n, int) else 1)
-            await gate.acquire(self.deployment, weight)
-        try:
+        if gate is None:
             await self._send_parts(endpoint, headers, batch, parts)
+            return
+        # A batch is bulk work on the deployment: it takes the slot-equivalents its inputs ask
+        # of the server, so batches yield to interactive traffic the way bulk chat does (and
+        # may be preempted and sent again whole, until one of its callers has an answer).
+        inputs = sum(len(p.inputs) for p in parts)
+        n = parts[0].body.get("n")
+        weight = gate.batch_weight(endpoint, inputs, n if isinstance(n, int) else 1)
+        work = BulkWork(gate, self.deployment, weight)
+        await work.acquire()
+        try:
+            await work.run(
+                lambda _: self._send_parts(endpoint, headers, batch, parts),
+                committed=lambda: any(_answered(item) for item in batch),
+            )
         finally:
-            if gate is not None:
-                gate.release(self.deployment, weight)
+            work.release()
 
     async def _send_parts(
         self,
@@ -239,6 +245,10 @@ class _Answered:
 
     async def aclose(self) -> None:
         self._body = None
+
+
+def _answered(item: Item[_Part, _Answer]) -> bool:
+    return item.future.done() and not item.future.cancelled()
 
 
 # --- merging and splitting ------------------------------------------------------------------------

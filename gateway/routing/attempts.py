@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from gateway.errors import (
@@ -36,16 +36,23 @@ from gateway.routing.plan import Candidate, Plan, Route
 
 log = logging.getLogger("tailguard")
 
+PREEMPTED = "preempted"  # an attempt of bulk work the gateway took its slot back from
 
-async def open_first(ledger: Ledger, plan: Plan, snapshot: Snapshot) -> Opened:
+
+async def open_first(
+    ledger: Ledger, plan: Plan, snapshot: Snapshot, preempted: Callable[[], bool] | None = None
+) -> Opened:
     """Start `plan`'s candidates until one commits; the only place failover and hedging happen.
 
     Raises the request's own error (an InvalidRequestError from the first candidate, or a
     non-retryable ProviderError), CoolingDownError, or AllCandidatesFailedError. The returned
     attempt is handed to the response (`ledger.opened`); whatever happens, `ledger.aclose()` is
-    its owner's last call.
+    its owner's last call. `preempted`: asked when the race is cancelled, whether the bulk gate
+    preempted it (gateway/batching/preempt.py); its attempts then end as `preempted`, which is
+    no failure and no sample (the request runs again later).
     """
     race = _Race(ledger, plan, snapshot)
+    race.preempted = preempted
     try:
         opened = await race.run()
     finally:
@@ -79,6 +86,7 @@ class _Race:
         self.timed: Live | None = None
         self.cut: list[asyncio.Task[Opened]] = []  # failed-over attempts, unwinding
         self.ttft_end = ttft_end(self.budget)
+        self.preempted: Callable[[], bool] | None = None
 
     async def run(self) -> Opened:
         if self.ttft_end is None:
@@ -283,6 +291,9 @@ class _Race:
                 task.cancel()
                 losers.append(task)
         self.live.clear()
+        if self.preempted is not None and not won and self.preempted():
+            for live in ledger.claimed:  # given back by the gateway itself: not a failure
+                ledger.close(live, PREEMPTED)
         ledger.close_losers()
         unwinding = self.cut + losers
         if unwinding:
