@@ -61,6 +61,38 @@ async def _interleaved(
             await source.aclose()
 
 
+async def _hold(
+    pool: Pool, work_s: float, prompt_tokens: int, priority: int, arrived: float
+) -> None:
+    """A non-generating request's slot, held for `work_s` (preemptible on a priority pool)."""
+    metrics = pool.metrics
+    if pool.preemptive:
+        reason = "abort"
+        try:
+            await decode.work(pool, work_s, prompt_tokens, priority)
+            metrics.prompt_tokens += prompt_tokens
+            reason = "stop"
+        finally:
+            metrics.done(arrived, reason)
+        return
+    try:
+        await pool.acquire()
+    except asyncio.CancelledError:
+        metrics.done(arrived, "abort")
+        raise
+    pool.kv_tokens += prompt_tokens
+    reason = "abort"
+    try:
+        if work_s:
+            await asyncio.sleep(work_s)
+        metrics.prompt_tokens += prompt_tokens
+        reason = "stop"
+    finally:
+        pool.release()
+        pool.kv_tokens -= prompt_tokens
+        metrics.done(arrived, reason)
+
+
 class Timeline:
     """Runs requests' sequences on their batch slots and closes each request's account.
 
@@ -82,38 +114,12 @@ class Timeline:
         priority: int = 0,
     ) -> None:
         """A non-generating request: stall, queue, hold a slot for `work_s`, then finish."""
-        stats, metrics = self.stats, pool.metrics
+        stats = self.stats
         arrived = time.monotonic()
         try:
             if stall_s:
                 await asyncio.sleep(stall_s)
-            if pool.preemptive:
-                reason = "abort"
-                try:
-                    await decode.work(pool, work_s, prompt_tokens, priority)
-                    metrics.prompt_tokens += prompt_tokens
-                    reason = "stop"
-                finally:
-                    metrics.done(arrived, reason)
-                stats.prompt_tokens += prompt_tokens
-                self._finish(cut)
-                return
-            try:
-                await pool.acquire()
-            except asyncio.CancelledError:
-                metrics.done(arrived, "abort")
-                raise
-            pool.kv_tokens += prompt_tokens
-            reason = "abort"
-            try:
-                if work_s:
-                    await asyncio.sleep(work_s)
-                metrics.prompt_tokens += prompt_tokens
-                reason = "stop"
-            finally:
-                pool.release()
-                pool.kv_tokens -= prompt_tokens
-                metrics.done(arrived, reason)
+            await _hold(pool, work_s, prompt_tokens, priority, arrived)
         except asyncio.CancelledError:
             stats.cancelled += 1
             stats.changed()
