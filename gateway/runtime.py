@@ -24,7 +24,15 @@ from typing import Any
 
 from gateway.auth import KeyRing, exposed_without_keys
 from gateway.batching import BatchingProvider, BulkGate
-from gateway.config import ConfigError, ModelSpec, RateLimitSpec, Settings, load_settings
+from gateway.batching.gate import Upstream
+from gateway.config import (
+    AffinitySpec,
+    ConfigError,
+    ModelSpec,
+    RateLimitSpec,
+    Settings,
+    load_settings,
+)
 from gateway.latency import (
     FanOutRecorder,
     LatencyStore,
@@ -39,7 +47,7 @@ from gateway.providers.vllm import Scraper, ServerState
 from gateway.ratelimit import Admission, RateLimiter, open_rate_limiter
 from gateway.redis import connect_redis
 from gateway.responses_store import ResponseStore, open_response_store
-from gateway.routing import Guards, TTFTPredictor, fallback_chain
+from gateway.routing import Affinity, Guards, TTFTPredictor, fallback_chain
 from gateway.telemetry import (
     AccessLog,
     BatchingCollector,
@@ -55,6 +63,7 @@ from gateway.telemetry import (
     make_registry,
     tracing_from_env,
 )
+from gateway.telemetry.prometheus import AffinityCollector, BulkPreemptionsCollector
 
 log = logging.getLogger("tailguard")
 
@@ -80,6 +89,7 @@ class Services:
     batchers: dict[str, BatchingProvider] = field(default_factory=dict)  # by deployment id
     servers: dict[str, ServerState] = field(default_factory=dict)  # vLLM load, by provider
     predictor: TTFTPredictor = field(default_factory=TTFTPredictor)
+    affinity: Affinity = field(default_factory=lambda: Affinity(AffinitySpec()))
     gate: BulkGate | None = None  # admission of bulk chat requests
     keyring: KeyRing = field(default_factory=lambda: KeyRing(None))  # empty: no authentication
     active: int = 0  # requests admitted under these services and not yet finished
@@ -162,6 +172,8 @@ class Runtime:
                     lambda: self.latency.snapshot,
                     lambda: (m.name for m in self.services.settings.models),
                 ),
+                AffinityCollector(lambda: self.services.affinity.counts),
+                BulkPreemptionsCollector(lambda: _preemptions(self.services)),
             )
             self.meters = Meters(self.registry, {})
             self.services = await self._build(settings, guards=None)
@@ -196,7 +208,7 @@ class Runtime:
             for name, spec in settings.providers.items()
             if spec.type == "vllm"
         }
-        gate = BulkGate(settings.routing.bulk)
+        gate = BulkGate(settings.routing.bulk, servers=_upstreams(settings, providers, servers))
         batchers = _batchers(settings, providers, self.meters, gate)
         return Services(
             settings=settings,
@@ -217,6 +229,7 @@ class Runtime:
             keyring=KeyRing(settings.auth),
             servers=servers,
             predictor=self.predictor,
+            affinity=_affinity(getattr(self, "services", None), settings),
             responses=_response_store(settings, kept, pools),  # last: nothing after it can fail
             _pools=pools,
         )
@@ -382,6 +395,30 @@ def _batchers(
                     provider, d.id, model.batching, observer=meters.batch, gate=gate
                 )
     return batchers
+
+
+def _affinity(running: Services | None, settings: Settings) -> Affinity:
+    """The running config's prefix table, kept by a reload that leaves `routing.affinity` as
+    it was (what it learned still holds); a new one otherwise."""
+    if running is not None and running.affinity.spec == settings.routing.affinity:
+        return running.affinity
+    return Affinity(settings.routing.affinity)
+
+
+def _upstreams(
+    settings: Settings, providers: Mapping[str, Provider], servers: Mapping[str, ServerState]
+) -> dict[str, Upstream]:
+    """The vLLM server behind each deployment whose metrics are read, for bulk admission."""
+    return {
+        d.id: Upstream(servers[d.provider], providers[d.provider].bulk_priority is not None)
+        for m in settings.models
+        for d in m.deployments
+        if d.provider in servers
+    }
+
+
+def _preemptions(services: Services) -> dict[str, int]:
+    return dict(services.gate.preemptions) if services.gate is not None else {}
 
 
 def _batching_state(services: Services) -> BatchingState:

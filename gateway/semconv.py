@@ -39,6 +39,7 @@ TG_REQUEST_ID: Final = "tailguard.request.id"
 TG_MODEL: Final = "tailguard.model"  # the model name the client asked for
 TG_DEPLOYMENT: Final = "tailguard.deployment"
 TG_ROUTE: Final = "tailguard.route"
+TG_AFFINITY: Final = "tailguard.affinity"  # cache-aware routing: hit, bounded, queue, miss
 TG_KEY: Final = "tailguard.key.name"  # the gateway key's configured name, never the key
 TG_ATTEMPTS: Final = "tailguard.attempts"
 TG_ATTEMPT_OUTCOME: Final = "tailguard.attempt.outcome"  # won, error:429, ttft_deadline, ...

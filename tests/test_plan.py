@@ -600,3 +600,25 @@ def test_a_successor_known_by_its_prior_is_hedged_to_without_exploring() -> None
     assert hedge_point(0.6, cand("a", metric(3000.0, p95=2500.0, p90=160.0)), backup) == (
         pytest.approx(0.6 - 0.363)
     )
+
+
+# --- a server's measured TPOT --------------------------------------------------------------------
+
+
+def test_a_measured_tpot_comes_before_the_nominal_prior() -> None:
+    """A vLLM server's measured TPOT stands in for untrusted statistics ahead of the operator's
+    nominal prior; the window's own trusted p99 still comes first."""
+    prior = PriorSpec(ttft_ms=200.0, tpot_ms=100.0)
+    few = metric(50.0, count=3)  # untrusted
+    nominal = cand("a", few, tpot=few, prior=prior)
+    assert nominal.predicted_total_s(51) == pytest.approx(0.2 + 0.1 * 50)  # 5.2 s
+    measured = replace(nominal, measured_tpot_s=0.01)
+    assert measured.predicted_total_s(51) == pytest.approx(0.2 + 0.01 * 50)  # 0.7 s
+    budget = Budget(total_s=2.0)
+    assert fits(nominal, None, budget, call(max_tokens=51)) is False
+    assert fits(measured, None, budget, call(max_tokens=51)) is True
+    trusted = replace(cand("b", metric(200.0), tpot=metric(60.0)), measured_tpot_s=0.01)
+    assert trusted.predicted_total_s(51) == pytest.approx(0.2 + 0.06 * 50)
+    assert cand("c", prior=PriorSpec(ttft_ms=200.0)).predicted_total_s(51) is None
+    alone = replace(cand("c", prior=PriorSpec(ttft_ms=200.0)), measured_tpot_s=0.01)
+    assert alone.predicted_total_s(51) == pytest.approx(0.7)

@@ -66,6 +66,8 @@ def start_trace(outcome: RequestOutcome) -> None:
         attributes[sc.TG_BUDGET_TTFT_MS] = round(budget.ttft_s * 1000)
     if budget.total_s is not None:
         attributes[sc.TG_BUDGET_TOTAL_MS] = round(budget.total_s * 1000)
+    if decision.plan.affinity is not None:
+        attributes[sc.TG_AFFINITY] = decision.plan.affinity
     outcome.trace = outcome.services.tracing.request(
         f"POST {ctx.path}",
         traceparent=decision.headers.get("traceparent"),

@@ -19,6 +19,8 @@ from gateway.api.admit import REQUEST_ID
 from gateway.api.conversation import keep, owner_of
 from gateway.api.outcome import RequestOutcome, record, start_trace
 from gateway.api.render import send_error
+from gateway.batching import BulkGate
+from gateway.batching.preempt import BulkWork
 from gateway.errors import (
     GatewayError,
     OverloadedError,
@@ -27,9 +29,10 @@ from gateway.errors import (
     StreamInterruptedError,
     stream_error,
 )
-from gateway.latency import CANCELLED, TOTAL_DEADLINE
+from gateway.latency import CANCELLED, TOTAL_DEADLINE, Snapshot
 from gateway.models import Call, Wire
-from gateway.routing import Decision, Ledger, Opened, open_first, prompt_band
+from gateway.routing import Decision, Ledger, Opened, Plan, open_first, prompt_band
+from gateway.routing.attempts import PREEMPTED
 from gateway.routing.deadline import before_commit, ran_out, stream_deadline
 from gateway.routing.idle import IdleWatch
 from gateway.runtime import Services
@@ -48,6 +51,7 @@ class Proxy:
     """
 
     __slots__ = (
+        "_bulk",
         "_call",
         "_client_gone",
         "_decision",
@@ -69,13 +73,7 @@ class Proxy:
         self._client_gone = False
         self._started = False  # the status line went out: errors must now be in-band
         self._responded = False  # the last byte went out: a disconnect now is just the end
-        # Bulk chat waits for a slot on its first candidate (see gateway/batching/gate.py).
-        call = decision.call
-        self._gate_lane: str | None = None
-        if call.priority == "bulk" and (
-            call.stream or call.endpoint in ("chat", "messages", "responses")
-        ):
-            self._gate_lane = decision.plan.candidates[0].id
+        self._gate_lane, self._bulk = _gate_of(decision, services.gate)
         self._gated = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -122,7 +120,7 @@ class Proxy:
                 outcome.status, outcome.error_type = 500, "internal"
             finally:
                 if self._gated and self._gate_lane is not None and services.gate is not None:
-                    services.gate.release(self._gate_lane)
+                    _ungate(services.gate, self._gate_lane, self._bulk)
                 watcher.cancel()
                 record(outcome)
                 services.leave()
@@ -183,13 +181,13 @@ class Proxy:
     async def _open(self, ledger: Ledger) -> Opened:
         """Everything before the commit: a bulk request's slot, then the race."""
         services = self._services
-        if self._gate_lane is not None:
-            queued = time.perf_counter()
-            assert services.gate is not None
-            await services.gate.acquire(self._gate_lane)
+        plan, snapshot = self._decision.plan, services.latency.snapshot
+        if self._gate_lane is not None and services.gate is not None:
             self._gated = True
-            self._outcome.queue_s = time.perf_counter() - queued
-        return await open_first(ledger, self._decision.plan, services.latency.snapshot)
+            if self._bulk is not None:
+                return await _open_bulk(self._bulk, self._outcome, ledger, plan, snapshot)
+            services.gate.enter(self._gate_lane)
+        return await open_first(ledger, plan, snapshot)
 
     async def _respond(self, opened: Opened, send: Send, ledger: Ledger) -> None:
         body = b"".join(opened.head)
@@ -290,6 +288,45 @@ class Proxy:
         ledger.ended(ok=failure is None, error=why, cut=cut)
 
 
+def _gate_of(decision: Decision, gate: BulkGate | None) -> tuple[str | None, BulkWork | None]:
+    """Where bulk admission counts the request (its first candidate), and a bulk chat's
+    slot-equivalents there, one per choice; an interactive request (none) is only counted, so
+    bulk leaves it room (see gateway/batching/gate.py)."""
+    call, candidates = decision.call, decision.plan.candidates
+    if call.priority == "bulk" and (
+        call.stream or call.endpoint in ("chat", "messages", "responses")
+    ):
+        lane = candidates[0].id
+        return lane, BulkWork(gate, lane, max(1, call.n)) if gate is not None else None
+    if call.priority == "interactive" and candidates:
+        return candidates[0].id, None
+    return None, None
+
+
+async def _open_bulk(
+    work: BulkWork, outcome: RequestOutcome, ledger: Ledger, plan: Plan, snapshot: Snapshot
+) -> Opened:
+    """A bulk request's slot-equivalents, then the race. Until it has an answer the gate may
+    preempt it for an interactive request (gateway/batching/preempt.py): it is then sent again,
+    on the same ledger."""
+    await work.acquire()
+    outcome.queue_s = work.queued_s
+    try:
+        return await work.run(
+            lambda preempted: open_first(ledger, plan, snapshot, preempted),
+            committed=lambda: ledger.winner is not None,
+        )
+    finally:
+        outcome.queue_s = work.queued_s
+
+
+def _ungate(gate: BulkGate, lane: str, bulk: BulkWork | None) -> None:
+    if bulk is not None:
+        bulk.release()
+    else:
+        gate.leave(lane)
+
+
 def _went_idle(deployment: str, idle_s: float) -> ProviderTimeoutError:
     return ProviderTimeoutError(  # its message names the deployment
         f"no content from the upstream for {round(idle_s * 1000)} ms (the stream idle timeout)",
@@ -321,13 +358,15 @@ def _observe(services: Services, decision: Decision, opened: Opened) -> None:
     first = opened.tally.first_token_at
     if first is None or not call.stream:
         return
-    if call.priority == "interactive" and budget.ttft_s and services.gate is not None:
+    band = prompt_band(len(call.raw))
+    if call.priority == "interactive" and services.gate is not None:
         # Bulk admission on this deployment follows how interactive first tokens fare.
-        services.gate.observe(opened.candidate.id, first - budget.arrived, budget.ttft_s)
+        ttft = first - budget.arrived
+        services.gate.observe(opened.candidate.id, ttft, budget.ttft_s, band)
     if opened.candidate.queue is not None:
         services.predictor.observe(
             opened.candidate.id,
-            prompt_band(len(call.raw)),
+            band,
             opened.candidate.queue,
             first - opened.started,
         )
@@ -357,6 +396,12 @@ def _head(
         timing.append(f"connect;dur={(opened.connected - opened.started) * 1000:.1f}")
     stage = "ttft" if call.stream else "upstream"
     timing.append(f"{stage};dur={(committed - arrived) * 1000:.1f}")
+    preempted = sum(a.outcome == PREEMPTED for a in opened.attempts)
+    if preempted:  # bulk work the gate took its slot back from, and sent again
+        timing.append(f'preempted;desc="{preempted}"')
+    affinity = outcome.decision.plan.affinity if outcome.decision is not None else None
+    if affinity is not None:  # cache-aware routing decided: hit, bounded, queue or miss
+        timing.append(f'affinity;desc="{affinity}"')
     headers = [
         (b"content-type", content_type),
         (b"x-request-id", outcome.ctx.request_id.encode()),

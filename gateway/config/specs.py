@@ -309,14 +309,18 @@ class RetryBudgetSpec(_Spec):
 
 
 class BulkSpec(_Spec):
-    """Admission of bulk chat requests per deployment (see gateway/batching/gate.py)."""
+    """Admission of bulk traffic per deployment (see gateway/batching/gate.py and docs/bulk.md).
+
+    The limit is in slot-equivalents: one upstream sequence (a bulk chat of `n` choices weighs
+    `n`; a micro-batch weighs what it asks of the server, see `embedding_inputs_per_slot`)."""
 
     initial_concurrency: Annotated[int, Field(ge=1)] = 4
-    """Bulk requests allowed at once per deployment, at start."""
+    """Bulk slot-equivalents allowed at once per deployment, at start."""
     min_concurrency: Annotated[int, Field(ge=1)] = 1
-    """The limit never falls below this."""
+    """The steered limit never falls below this (a vLLM server full of interactive requests
+    still holds bulk back below it)."""
     max_concurrency: Annotated[int, Field(ge=1)] = 64
-    """The limit never grows beyond this."""
+    """The limit never grows beyond this, nor beyond a vLLM server's learned batch slots."""
     backoff_at: Annotated[float, Field(gt=0, le=1)] = 0.8
     """An interactive first token later than this share of its budget halves the limit."""
     grow_below: Annotated[float, Field(gt=0, le=1)] = 0.5
@@ -325,6 +329,29 @@ class BulkSpec(_Spec):
     """At most one halving per this long (s)."""
     max_queue: Annotated[int, Field(ge=0)] = 4096
     """Bulk requests waiting; beyond, a 503."""
+    backoff_over_unloaded: Annotated[float, Field(gt=1, le=100)] = 1.5
+    """vLLM with known load: an interactive first token slower than this multiple of the
+    unloaded TTFT (the fastest of the last minute) halves the limit, whatever the budget."""
+    grow_under_unloaded: Annotated[float, Field(gt=1, le=100)] = 1.25
+    """vLLM with known load: the limit grows only while first tokens stay under this multiple
+    of the unloaded TTFT (and under `grow_below` of their budget)."""
+    reserve_slots: Annotated[int, Field(ge=0, le=1024)] = 1
+    """vLLM without `bulk_priority` (a first-come-first-served queue): batch slots kept free of
+    bulk for interactive arrivals, beyond those interactive requests in flight hold. Never the
+    server's last slot."""
+    kv_full: Annotated[float, Field(gt=0, le=1)] = 0.95
+    """vLLM: KV-cache usage at or above this counts as a full server, like a non-empty queue."""
+    embedding_inputs_per_slot: Annotated[int, Field(ge=1)] = 1
+    """Embeddings inputs one slot-equivalent carries: a micro-batch of N inputs weighs N / this
+    (at least 1). vLLM schedules each input of a list as a sequence of its own: 1. A server that
+    embeds a whole call on one slot (the simulator) weighs a batch as one: its batch size."""
+    preempt: bool = True
+    """vLLM without `bulk_priority`: an interactive request that would queue at the server
+    (no slot left by the gateway's count, or a queue in the last scrape) preempts the youngest
+    bulk work in flight there that has sent nothing yet; it runs again first when bulk is
+    admitted again."""
+    max_preemptions: Annotated[int, Field(ge=0, le=100)] = 3
+    """How often one bulk request (or micro-batch) may be preempted; then it runs to its end."""
 
     @model_validator(mode="after")
     def _ordered(self) -> BulkSpec:
@@ -332,7 +359,31 @@ class BulkSpec(_Spec):
             raise ValueError("need min_concurrency <= initial_concurrency <= max_concurrency")
         if self.grow_below > self.backoff_at:
             raise ValueError("grow_below exceeds backoff_at")
+        if self.grow_under_unloaded > self.backoff_over_unloaded:
+            raise ValueError("grow_under_unloaded exceeds backoff_over_unloaded")
         return self
+
+
+class AffinitySpec(_Spec):
+    """Cache-aware routing between the vLLM servers of one model (see docs/vllm.md): a request
+    prefers the server that recently served the same prompt prefix, while that server's load
+    stays within `load_bound` of the mean."""
+
+    enabled: bool = True
+    """On for every model with more than one vLLM deployment whose load is read."""
+    load_bound: Annotated[float, Field(ge=1, le=10)] = 1.5
+    """A server takes a request for its cached prefix only while its load (this gateway's
+    requests in flight to it plus its queue as its metrics say) stays within this many times
+    the mean over the model's servers, plus `load_slack`; beyond, the queue decides."""
+    load_slack: Annotated[float, Field(ge=0, le=1000)] = 2.0
+    """Requests a server may take beyond `load_bound` times the mean, so that a quiet model's
+    conversations (one or two in flight) are not spread for nothing."""
+    max_entries: Annotated[int, Field(ge=16, le=10_000_000)] = 65_536
+    """Prompt prefixes remembered (least recently used forgotten first); ~0.3 KB each."""
+    ttl_s: Annotated[float, Field(gt=0, le=86_400)] = 600.0
+    """A prefix not seen for this long is forgotten (the server has likely evicted it)."""
+    max_prefix_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
+    """Leading prompt text hashed per request; longer prompts are matched on this much."""
 
 
 class RoutingSpec(_Spec):
@@ -344,6 +395,8 @@ class RoutingSpec(_Spec):
     """Failovers after errors in flight vs active requests."""
     bulk: BulkSpec = BulkSpec()
     """Admission of bulk chat per deployment."""
+    affinity: AffinitySpec = AffinitySpec()
+    """Cache-aware routing between a model's vLLM servers."""
 
 
 _SHA256 = r"^[0-9a-f]{64}$"

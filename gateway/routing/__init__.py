@@ -7,6 +7,7 @@ it; `guards` keeps fallback from amplifying failures (cooldowns, retry budget, h
 `predict` models a vLLM server's TTFT from its queue; `idle` is the stream idle timeout.
 """
 
+from gateway.routing.affinity import Affinity
 from gateway.routing.attempts import open_first
 from gateway.routing.deadline import budget_for
 from gateway.routing.decide import Decision, Routes, decide
@@ -31,6 +32,7 @@ from gateway.routing.plan import (
 from gateway.routing.predict import TTFTPredictor, prompt_band
 
 __all__ = [
+    "Affinity",
     "Attempt",
     "Budget",
     "Candidate",

@@ -16,8 +16,10 @@ from gateway.config import ModelSpec
 from gateway.latency import LatencyStore
 from gateway.models import Call
 from gateway.providers.base import Provider
-from gateway.providers.vllm import ServerState
+from gateway.providers.vllm import ServerLoad, ServerState
+from gateway.routing.affinity import Affinity
 from gateway.routing.guards import Guards
+from gateway.routing.measured import with_measured_tpot
 from gateway.routing.plan import (
     Budget,
     Candidate,
@@ -48,6 +50,8 @@ class Routes(Protocol):
     def servers(self) -> Mapping[str, ServerState]: ...  # vLLM load, by provider
     @property
     def predictor(self) -> TTFTPredictor: ...
+    @property
+    def affinity(self) -> Affinity: ...  # the prompt prefixes each vLLM server was sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,37 +86,62 @@ def decide(
     if batchers:
         found = [replace(c, provider=batchers[c.id]) if c.id in batchers else c for c in found]
     if routes.servers:
+        found = with_measured_tpot(found, routes.servers)
         found = by_prediction(found, predictions(routes, found, call))
+    # The server that holds this prompt's prefix in its cache leads, within its load bound.
+    steering = routes.affinity.steer(found, call, routes.servers, routes.latency.inflight)
+    found = steering.found
     chosen = plan(found, call, budget, cooling=routes.guards.cooldowns.cooling())
     if budget.ttft_s is not None and spec.on_ttft_miss != "none" and budget.may_hedge:
         # A deployment routed away is now and then tried again, raced by the one that serves.
         chosen = with_exploration(chosen, found, routes.guards.explorer.due)
-    return Decision(call, chosen, budget, headers)
+    return Decision(call, steering.settle(chosen), budget, headers)
 
 
 def predictions(
     routes: Routes, found: Sequence[Candidate], call: Call
 ) -> dict[str, tuple[float, float]]:
-    """Predicted TTFT (and the queue it assumes) of each vLLM candidate whose load is known."""
-    out: dict[str, tuple[float, float]] = {}
+    """Predicted TTFT (and the queue it assumes) of each vLLM candidate whose load is known.
+
+    The queue counts the requests this replica sent since the scrape once they overflow the
+    server's batch slots (`TTFTPredictor.queued`). A server with no latency history of its own
+    (just added, or idle since before the window) is predicted from the lowest baseline of the
+    model's other vLLM servers, so its queue ranks it among them instead of after them all."""
     band = prompt_band(len(call.raw))
+    predictor = routes.predictor
+    loaded: list[tuple[Candidate, ServerLoad, float, float | None, float | None]] = []
     for candidate in found:
         server = routes.servers.get(candidate.deployment.provider)
         load = server.current() if server is not None else None
-        if load is None:
+        if server is None or load is None:
             continue
-        # Requests this replica sent since the scrape are not in it yet: while the server was
-        # queueing, count them as queued too.
-        queue = load.waiting
-        if queue > 0:
-            queue += max(0.0, routes.latency.inflight(candidate.id) - load.running - queue)
+        queue = predictor.queued(
+            candidate.id,
+            running=load.running,
+            waiting=load.waiting,
+            scraped_at=load.scraped_at,
+            slots=server.slots,
+            inflight=routes.latency.inflight(candidate.id),
+        )
         stats = candidate.stats
         # The unloaded baseline: the deployment's typical TTFT for a prompt of this size.
         ttft_p50 = _finite_s(baseline_p50_ms(stats, len(call.raw))) if stats else None
-        if ttft_p50 is None and server is not None:
+        if ttft_p50 is None:
             ttft_p50 = server.recent_ttft_p50()
         total_p50 = _finite_s(stats.total.p50) if stats else None
-        predicted = routes.predictor.predict(
+        loaded.append((candidate, load, queue, ttft_p50, total_p50))
+    out: dict[str, tuple[float, float]] = {}
+    for candidate, load, queue, ttft_p50, total_p50 in loaded:
+        if ttft_p50 is None:
+            siblings = [
+                (base, total)
+                for other, _, _, base, total in loaded
+                if other.model == candidate.model and base is not None
+            ]
+            if siblings:
+                ttft_p50, borrowed_total = min(siblings, key=lambda s: s[0] or 0.0)
+                total_p50 = total_p50 if total_p50 is not None else borrowed_total
+        predicted = predictor.predict(
             candidate.id,
             band,
             waiting=queue,

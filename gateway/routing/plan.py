@@ -59,6 +59,9 @@ class Candidate:
     prompt_bytes: int | None = None  # this request's body size: its TTFT is read for that size
     recent: TargetStats | None = None  # the last few seconds only (see `Snapshot.recent`)
     explored_s: float | None = None  # the slowest TTFT of its latest explorations, if fresh
+    # A vLLM deployment: the mean time per output token its server measured lately. Ahead of
+    # the nominal prior, which knows nothing of the server's load or speculative decoding.
+    measured_tpot_s: float | None = None
 
     @property
     def id(self) -> str:
@@ -87,13 +90,16 @@ class Candidate:
     ) -> float | None:
         """p99 TTFT + p99 TPOT * expected output tokens (`max_tokens`, or the observed mean
         length); the observed p99 total when the parts are unknown (a non-streaming deployment).
+        The TPOT is the window's trusted p99, else the server's measured one, else the prior.
         `ttft_at_most_s`: the first token is known to come by then (its misses are rescued
         within the TTFT budget), whatever the deployment's own tail."""
         stats = self.stats
         ttft = self.ttft_p99_s
         if ttft is not None and ttft_at_most_s is not None:
             ttft = min(ttft, ttft_at_most_s)
-        tpot = _trusted(stats.tpot if stats else None, "p99", self._prior("tpot_ms"))
+        measured = self.measured_tpot_s
+        fallback = measured if measured is not None else self._prior("tpot_ms")
+        tpot = _trusted(stats.tpot if stats else None, "p99", fallback)
         tokens = max_tokens or (stats.output_tokens if stats else None)
         if ttft is not None and tpot is not None and tokens:
             return ttft + tpot * max(0.0, tokens - 1)
@@ -192,6 +198,7 @@ class Plan:
     # The first candidate is explored: it was routed away, and is tried with the one that would
     # have served started beside it at once, so the client gets whichever answers first.
     explore: bool = False
+    affinity: str | None = None  # what cache-aware routing decided (routing/affinity.py)
 
 
 def weighted_order(

@@ -21,7 +21,8 @@ from prometheus_client.registry import Collector
 
 from gateway import semconv as sc
 from gateway.latency import BYTES_PER_TOKEN, CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Sample, Snapshot
-from gateway.telemetry.prometheus import EventLoopCollector, LatencyStoreCollector
+from gateway.telemetry import prometheus
+from gateway.telemetry.prometheus import EventLoopCollector, LatencyStoreCollector, VllmCollector
 from gateway.telemetry.usage import PromptTokens
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # `*_created` series double the exposition and no dashboard reads them
@@ -582,6 +583,9 @@ def catalogue() -> list[MetricInfo]:
             BatchingCollector(lambda: BatchingState({}, {}, {}, {}, 0)),
             LimitsCollector(lambda: LimitsState({}, 0, {}, 0)),
             ExtraLoadCollector(lambda: snapshot, list),
+            VllmCollector(dict),
+            prometheus.AffinityCollector(dict),
+            prometheus.BulkPreemptionsCollector(dict),
             ProcessCollector(registry=None),
             EventLoopCollector(loop),
         ]

@@ -23,6 +23,8 @@ LATENCY_STORE_PENDING = "tailguard_latency_store_pending_writes"
 LATENCY_SNAPSHOT_AGE = "tailguard_latency_snapshot_age_seconds"
 INFLIGHT = "tailguard_upstream_inflight"
 EVENT_LOOP_TASKS = "tailguard_event_loop_tasks"
+BULK_PREEMPTIONS = "tailguard_bulk_preemptions"  # counter: deployment
+AFFINITY_DECISIONS = "tailguard_affinity_decisions"  # counter: model, outcome
 VLLM_UP = "tailguard_vllm_metrics_up"
 VLLM_RUNNING = "tailguard_vllm_requests_running"
 VLLM_WAITING = "tailguard_vllm_requests_waiting"
@@ -83,6 +85,45 @@ class LatencyStoreCollector(Collector):
         for deployment, count in sorted(self._inflight().items()):
             inflight.add_metric([deployment], float(count))
         yield inflight
+
+
+class AffinityCollector(Collector):
+    """`tailguard_affinity_decisions_total{model, outcome}`."""
+
+    def __init__(self, counts: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            AFFINITY_DECISIONS,
+            "Requests cache-aware routing decided, by the model asked for and the outcome: hit "
+            "(the server holding the longest prefix of the prompt leads), bounded (a server "
+            "holding a longer one than the lead was over the load bound), queue (the lead's "
+            "shorter queue outweighed the prefill a longer prefix saves), miss (no server holds "
+            "a prefix of it).",
+            labels=["model", "outcome"],
+        )
+        for (model, outcome), count in sorted(self._counts().items()):
+            family.add_metric([model, outcome], float(count))
+        yield family
+
+
+class BulkPreemptionsCollector(Collector):
+    """`tailguard_bulk_preemptions_total{deployment}`, from the bulk gate's counts."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            BULK_PREEMPTIONS,
+            "Bulk work preempted on a first-come-first-served vLLM server for an interactive "
+            "request that would have queued there (aborted upstream, sent again later).",
+            labels=["deployment"],
+        )
+        for deployment, count in sorted(self._counts().items()):
+            family.add_metric([deployment], float(count))
+        yield family
 
 
 class EventLoopCollector(Collector):
