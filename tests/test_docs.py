@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from gateway.cli import reference
 from gateway.config import Settings
-from gateway.telemetry.meters import catalogue
+from gateway.telemetry.catalogue import catalogue
 from tests.conftest import Upstream, one_model, run_gateway
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,6 +37,7 @@ LIBRARY_OWNERS = {
     "prometheus_client": {
         "gateway.telemetry.prometheus",
         "gateway.telemetry.meters",
+        "gateway.telemetry.catalogue",
         "gateway.providers.vllm",  # parses vLLM's /metrics
     },
     "typer": {"gateway.cli"},

@@ -29,7 +29,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from gateway.config import Settings
-from gateway.telemetry.meters import catalogue
+from gateway.telemetry.catalogue import catalogue
 
 CONFIG_PAGE = "reference/config.md"
 METRICS_PAGE = "reference/metrics.md"

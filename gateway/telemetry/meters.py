@@ -3,7 +3,6 @@ and counters per client request, and the routing guards' counters read at scrape
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -12,17 +11,13 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
-    ProcessCollector,
     disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from gateway import semconv as sc
 from gateway.latency import BYTES_PER_TOKEN, CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Sample, Snapshot
-from gateway.telemetry import prometheus
-from gateway.telemetry.prometheus import EventLoopCollector, LatencyStoreCollector, VllmCollector
 from gateway.telemetry.usage import PromptTokens
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # `*_created` series double the exposition and no dashboard reads them
@@ -555,50 +550,3 @@ class BatchingCollector(Collector):
 
 
 # --- the catalogue -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class MetricInfo:
-    """One metric family as `GET /metrics` exposes it."""
-
-    name: str  # as exposed: a counter with its `_total`
-    type: str  # counter | gauge | histogram
-    labels: tuple[str, ...]
-    help: str
-
-
-def catalogue() -> list[MetricInfo]:
-    """Every metric family `GET /metrics` exposes, sorted by name (what the metrics reference is
-    generated from). The meters and collectors are built here with empty state; the app builds
-    the same set around its live state."""
-    loop = asyncio.new_event_loop()  # the event-loop collector counts this loop's (no) tasks
-    try:
-        meters = Meters(CollectorRegistry(auto_describe=False), {})
-        snapshot = Snapshot(window_s=60, taken_at=0.0, source="memory")
-        collectors: list[Collector] = [
-            *(m for m in vars(meters).values() if isinstance(m, MetricWrapperBase)),
-            PromptTokensCollector(meters.prompt_tokens),
-            LatencyStoreCollector(lambda: {"type": "memory", "state": "ok"}, dict),
-            GuardsCollector(dict, dict, int, int, dict),
-            BatchingCollector(lambda: BatchingState({}, {}, {}, {}, 0)),
-            LimitsCollector(lambda: LimitsState({}, 0, {}, 0)),
-            ExtraLoadCollector(lambda: snapshot, list),
-            VllmCollector(dict),
-            prometheus.AffinityCollector(dict),
-            prometheus.BulkPreemptionsCollector(dict),
-            ProcessCollector(registry=None),
-            EventLoopCollector(loop),
-        ]
-        found: dict[str, MetricInfo] = {}
-        for collector in collectors:
-            # Label names show only in samples, and a meter with no traffic has none: read the
-            # names each metric was declared with.
-            declared = getattr(collector, "_labelnames", None)
-            for family in collector.collect():
-                labels = declared if declared is not None else getattr(family, "_labelnames", ())
-                name = family.name + ("_total" if family.type == "counter" else "")
-                shown = tuple(label for label in labels if label != "le")
-                found[name] = MetricInfo(name, family.type, shown, family.documentation)
-    finally:
-        loop.close()
-    return [found[name] for name in sorted(found)]
