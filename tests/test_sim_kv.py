@@ -8,8 +8,6 @@ tokens it has made, and is admitted when its prompt plus one (its prefill's toke
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -17,36 +15,16 @@ import orjson
 import pytest
 
 from gateway.providers.vllm import parse_metrics
-from gateway.sim.engine import SimEngine
-from gateway.sim.profile import SimProfile
-from gateway.sim.server import create_sim_app
-from tests.conftest import serve
+from tests.sim_server import LABELS, WATCHDOG_S, sim, until
 
-WATCHDOG_S = 10.0  # only ever reached when a test is broken; states are awaited, not slept on
-LABELS = 'model_name="m",engine="0"'
 SLOW = "m@tokens_per_s=1,output_tokens=1000"  # holds its KV, growing one token a second
 LONG = "m@output_tokens=50"
 KV = {"kv_cache_tokens": 100, "max_batch": 4, "tokens_per_s": 100, "output_tokens": 30}
 
 
-@asynccontextmanager
-async def sim(**profile: Any) -> AsyncIterator[tuple[SimEngine, httpx.AsyncClient]]:
-    engine = SimEngine(default=SimProfile(**profile), seed=1)
-    async with (
-        serve(create_sim_app(engine)) as url,
-        httpx.AsyncClient(base_url=url, timeout=WATCHDOG_S) as client,
-    ):
-        yield engine, client
-
-
 def body(model: str, prompt_tokens: int, priority: int | None = None) -> dict[str, Any]:
     extra = {} if priority is None else {"priority": priority}
     return {"model": model, "prompt": [7] * prompt_tokens, **extra}
-
-
-async def until(engine: SimEngine, predicate: Any) -> None:
-    async with asyncio.timeout(WATCHDOG_S):
-        await engine.stats.wait_for(predicate)
 
 
 async def usage(client: httpx.AsyncClient) -> float:

@@ -4,8 +4,6 @@ on a simulated server served for real on loopback."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -14,31 +12,7 @@ import pytest
 
 from gateway.providers.vllm import parse_metrics
 from gateway.sim.engine import SimEngine
-from gateway.sim.profile import SimProfile
-from gateway.sim.server import create_sim_app
-from tests.conftest import serve
-
-WATCHDOG_S = 10.0  # only ever reached when a test is broken; states are awaited, not slept on
-LABELS = 'model_name="m",engine="0"'
-
-
-@asynccontextmanager
-async def sim(**profile: Any) -> AsyncIterator[tuple[SimEngine, httpx.AsyncClient]]:
-    engine = SimEngine(default=SimProfile(**profile), seed=1)
-    async with (
-        serve(create_sim_app(engine)) as url,
-        httpx.AsyncClient(base_url=url, timeout=WATCHDOG_S) as client,
-    ):
-        yield engine, client
-
-
-def chat(model: str = "m", **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hello there"}], **extra}
-
-
-async def until(engine: SimEngine, predicate: Any) -> None:
-    async with asyncio.timeout(WATCHDOG_S):
-        await engine.stats.wait_for(predicate)
+from tests.sim_server import LABELS, WATCHDOG_S, chat, sim, until
 
 
 def metric(page: str, prefix: str) -> float:

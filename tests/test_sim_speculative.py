@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -15,28 +13,8 @@ import orjson
 import pytest
 
 from gateway.providers.vllm import parse_metrics
-from gateway.sim.engine import SimEngine
-from gateway.sim.profile import SimProfile
-from gateway.sim.server import create_sim_app
 from gateway.sim.speculative import Speculation, tokens_per_step
-from tests.conftest import serve
-
-WATCHDOG_S = 10.0
-LABELS = 'model_name="m",engine="0"'
-
-
-@asynccontextmanager
-async def sim(**profile: Any) -> AsyncIterator[tuple[SimEngine, httpx.AsyncClient]]:
-    engine = SimEngine(default=SimProfile(**profile), seed=7)
-    async with (
-        serve(create_sim_app(engine)) as url,
-        httpx.AsyncClient(base_url=url, timeout=WATCHDOG_S) as client,
-    ):
-        yield engine, client
-
-
-def chat(model: str = "m", **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "hello there"}], **extra}
+from tests.sim_server import LABELS, chat, sim
 
 
 def values(page: str, name: str) -> list[float]:
@@ -69,7 +47,7 @@ async def test_tokens_per_step_follow_the_acceptance_rate(k: int, alpha: float) 
     profile = {"spec_tokens": k, "spec_acceptance": alpha, "output_tokens": 3000}
     pages = []
     for _ in range(2):
-        async with sim(**profile) as (_, client):
+        async with sim(seed=7, **profile) as (_, client):
             reply = await answer(client, chat())
             pages.append((await client.get("/metrics")).text)
         assert reply["usage"]["completion_tokens"] == 3000
@@ -102,7 +80,7 @@ async def test_a_good_draft_decodes_faster_and_a_bad_one_slower() -> None:
     bad = "m@spec_tokens=4,spec_acceptance=0.05,spec_verify_cost=0.05,spec_draft_cost=0.1"
     assert Speculation(4, 0.8, 0.02, 0.05).speedup > 2
     assert Speculation(4, 0.05, 0.05, 0.1).speedup < 0.7
-    async with sim(tokens_per_s=200, output_tokens=60) as (engine, client):
+    async with sim(seed=7, tokens_per_s=200, output_tokens=60) as (engine, client):
         plain_s = await _decode_s(client, "m")
         good_s = await _decode_s(client, good)
         bad_s = await _decode_s(client, bad)
@@ -123,7 +101,7 @@ async def test_a_stream_sends_each_step_s_tokens_back_to_back() -> None:
     """Every token its own frame; the inter-token histogram counts one interval per token
     after the first: a step's first token a step after the last one, the rest at once."""
     profile = {"spec_tokens": 3, "spec_acceptance": 0.6, "tokens_per_s": 40, "output_tokens": 20}
-    async with sim(**profile) as (_, client):
+    async with sim(seed=7, **profile) as (_, client):
         async with client.stream(
             "POST", "/v1/chat/completions", json=chat(stream=True, logprobs=True)
         ) as response:
@@ -149,7 +127,7 @@ async def test_a_stream_sends_each_step_s_tokens_back_to_back() -> None:
 async def test_the_counters_under_each_name_agree(names: str) -> None:
     k = 5
     profile = {"spec_tokens": k, "spec_acceptance": 0.6, "output_tokens": 400}
-    async with sim(metrics_names=names, **profile) as (_, client):
+    async with sim(seed=7, metrics_names=names, **profile) as (_, client):
         await asyncio.gather(*(answer(client, chat(n=2)) for _ in range(3)))
         page = (await client.get("/metrics")).text
     current, legacy = names in ("current", "both"), names in ("legacy", "both")
@@ -201,7 +179,7 @@ async def test_the_counters_under_each_name_agree(names: str) -> None:
 
 @pytest.mark.parametrize("names", ["current", "legacy", "both"])
 async def test_no_spec_decode_series_without_speculation(names: str) -> None:
-    async with sim(metrics_names=names, tokens_per_s=1000, output_tokens=5) as (_, client):
+    async with sim(seed=7, metrics_names=names, tokens_per_s=1000, output_tokens=5) as (_, client):
         await answer(client, chat())
         page = (await client.get("/metrics")).text
     assert "spec_decode" not in page
