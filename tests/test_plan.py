@@ -622,3 +622,14 @@ def test_a_measured_tpot_comes_before_the_nominal_prior() -> None:
     assert cand("c", prior=PriorSpec(ttft_ms=200.0)).predicted_total_s(51) is None
     alone = replace(cand("c", prior=PriorSpec(ttft_ms=200.0)), measured_tpot_s=0.01)
     assert alone.predicted_total_s(51) == pytest.approx(0.7)
+
+
+def test_a_per_token_target_is_judged_on_the_measured_tpot() -> None:
+    """`x-slo-tpot-ms` reads the same TPOT the total budget does: measured before nominal."""
+    prior = PriorSpec(ttft_ms=200.0, tpot_ms=100.0)
+    few = metric(50.0, count=3)  # untrusted
+    nominal = cand("a", few, tpot=few, prior=prior)
+    budget = Budget(tpot_s=0.05)
+    assert fits(nominal, None, budget, call()) is False
+    assert fits(replace(nominal, measured_tpot_s=0.02), None, budget, call()) is True
+    assert fits(replace(nominal, measured_tpot_s=0.08), None, budget, call()) is False

@@ -97,13 +97,19 @@ class Candidate:
         ttft = self.ttft_p99_s
         if ttft is not None and ttft_at_most_s is not None:
             ttft = min(ttft, ttft_at_most_s)
-        measured = self.measured_tpot_s
-        fallback = measured if measured is not None else self._prior("tpot_ms")
-        tpot = _trusted(stats.tpot if stats else None, "p99", fallback)
+        tpot = self.tpot_p99_s
         tokens = max_tokens or (stats.output_tokens if stats else None)
         if ttft is not None and tpot is not None and tokens:
             return ttft + tpot * max(0.0, tokens - 1)
         return _trusted(stats.total if stats else None, "p99", None)
+
+    @property
+    def tpot_p99_s(self) -> float | None:
+        """The window's trusted p99 time per output token, else the server's measured one (a
+        draft model or a full batch changes it), else the operator's nominal prior."""
+        stats, measured = self.stats, self.measured_tpot_s
+        fallback = measured if measured is not None else self._prior("tpot_ms")
+        return _trusted(stats.tpot if stats else None, "p99", fallback)
 
     def _prior(self, name: Literal["ttft_ms", "tpot_ms"]) -> float | None:
         prior = self.deployment.prior
@@ -433,8 +439,7 @@ def fits(
         if total is not None:
             verdicts.append(total <= budget.total_s)
     if budget.tpot_s is not None and call.stream:
-        stats = candidate.stats
-        tpot = _trusted(stats.tpot if stats else None, "p99", candidate._prior("tpot_ms"))
+        tpot = candidate.tpot_p99_s
         if tpot is not None:
             verdicts.append(tpot <= budget.tpot_s)
     return all(verdicts) if verdicts else None
