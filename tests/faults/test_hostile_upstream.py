@@ -12,6 +12,7 @@ process, so its memory is this process's resident set.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -385,7 +386,11 @@ async def test_flood_leaves_the_gateway_responsive(
             async with asyncio.timeout(5):
                 status, tail = await flooded
             await settled(up.url, upstream.url, at_most=1)
-    assert max(delays) < 0.2, delays
+    # A gateway the flood blocked would answer only once the flood ends (its 1.5 s idle
+    # timeout): the typical probe is answered at once, and even the slowest well before that
+    # (a busy machine may delay one by a scheduling slice or two).
+    assert statistics.median(delays) < 0.1, delays
+    assert max(delays) < 0.5, delays
     if where == "before-first-token":
         assert status == 504
         assert error_of(tail)["code"] == "upstream_timeout"
