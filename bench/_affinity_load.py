@@ -30,6 +30,11 @@ from typing import Any, Final
 import aiohttp
 import orjson
 
+try:  # `python -m bench.affinity` or `python bench/affinity.py`
+    from bench._harness import SSEReader, post_stream
+except ImportError:
+    from _harness import SSEReader, post_stream  # type: ignore[no-redef,unused-ignore,import-not-found]
+
 WORDS: Final = (
     "queue",
     "batch",
@@ -110,43 +115,16 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], tu
     """Send one streamed chat request, read it to its end."""
     data = orjson.dumps(body)
     outcome = Outcome(time.perf_counter(), len(data), turn)
-    buffer = b""
-    done = False
-    try:
-        async with session.post(url, data=data, headers={"content-type": "application/json"}) as r:
-            outcome.status = r.status
-            outcome.deployment = r.headers.get("x-tailguard-deployment")
-            for entry in r.headers.get("server-timing", "").split(", "):
-                if entry.startswith("affinity;"):
-                    outcome.affinity = entry.partition('desc="')[2].rstrip('"')
-            if r.status != 200:
-                outcome.error = f"status {r.status}: {(await r.read())[:200]!r}"
-                return outcome
-            async for chunk in r.content.iter_any():
-                now = time.perf_counter()
-                buffer += chunk
-                *events, buffer = buffer.split(b"\n\n")
-                for event in events:
-                    if not event.startswith(b"data: "):
-                        continue
-                    payload = event[6:]
-                    if payload == b"[DONE]":
-                        done = True
-                        continue
-                    if outcome.ttft_s is not None and b'"error"' not in payload:
-                        continue  # past the first token only an error matters
-                    obj = orjson.loads(payload)
-                    if "error" in obj:
-                        outcome.error = f"error event {payload[:200]!r}"
-                        continue
-                    for choice in obj.get("choices") or ():
-                        if (choice.get("delta") or {}).get("content"):
-                            outcome.ttft_s = now - outcome.sent
-                            break
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"
-    if outcome.error is None and not done:
-        outcome.error = "stream ended without [DONE]"
+    reader = SSEReader(errors_only_after_first=True)
+    outcome.status, headers, outcome.error, _ = await post_stream(
+        session, url, data, {"content-type": "application/json"}, reader
+    )
+    outcome.deployment = headers.get("x-tailguard-deployment")
+    for entry in headers.get("server-timing", "").split(", "):
+        if entry.startswith("affinity;"):
+            outcome.affinity = entry.partition('desc="')[2].rstrip('"')
+    if reader.t_first is not None:
+        outcome.ttft_s = reader.t_first - outcome.sent
     return outcome
 
 

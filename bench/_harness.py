@@ -16,10 +16,12 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
+import aiohttp
 import orjson
 
 from gateway.sketch import nearest_rank
@@ -123,6 +125,48 @@ class SSEReader:
                 if isinstance(content, str) and content:
                     self.t_first = now
                     return
+
+
+_NO_HEADERS: Final[Mapping[str, str]] = {}
+
+
+class Streamed(NamedTuple):
+    """What `post_stream` saw: the status (0 when the request failed before an answer), the
+    response headers (none then), what went wrong if anything (the failure, a status other than
+    200, an error event, a stream that ended without `[DONE]`), and whether the connection
+    itself failed."""
+
+    status: int
+    headers: Mapping[str, str]
+    error: str | None
+    broken: bool = False
+
+
+async def post_stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    data: bytes,
+    headers: Mapping[str, str],
+    reader: SSEReader,
+) -> Streamed:
+    """POST `data` and feed a 200 answer's stream to `reader` as it arrives."""
+    status: int = 0
+    answered: Mapping[str, str] = _NO_HEADERS  # kept when the stream fails after the head
+    try:
+        async with session.post(url, data=data, headers=headers) as response:
+            status, answered = response.status, response.headers
+            if status != 200:
+                text = await response.read()
+                return Streamed(status, answered, f"status {status}: {text[:200]!r}")
+            async for chunk in response.content.iter_any():
+                reader.feed(chunk, time.perf_counter())
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return Streamed(status, answered, f"{type(exc).__name__}: {exc}", broken=True)
+    if reader.error is not None:
+        return Streamed(status, answered, reader.error)
+    if not reader.done:
+        return Streamed(status, answered, "stream ended without [DONE]")
+    return Streamed(status, answered, None)
 
 
 def stream_chat_body(model: str, max_tokens: int, prompt: str) -> bytes:

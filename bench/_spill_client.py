@@ -17,11 +17,13 @@ from gateway.providers.vllm import parse_metrics
 try:  # `python -m bench.spill` or `python bench/spill.py`
     from bench._harness import (
         SSEReader,
+        post_stream,
         stream_chat_body,
     )
 except ImportError:
     from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
         SSEReader,
+        post_stream,
         stream_chat_body,
     )
 try:
@@ -64,28 +66,13 @@ async def one_request(
     origin = min(due, started)
     outcome = Outcome(step=step, lag_s=started - due)
     reader = SSEReader(errors_only_after_first=True)
-    try:
-        async with session.post(
-            url, data=body, headers={"content-type": "application/json"}
-        ) as response:
-            outcome.status = response.status
-            outcome.deployment = response.headers.get("x-tailguard-deployment")
-            outcome.route = response.headers.get("x-tailguard-route")
-            if response.status != 200:
-                text = await response.read()
-                outcome.error = f"status {response.status}: {text[:200]!r}"
-            else:
-                async for data in response.content.iter_any():
-                    reader.feed(data, time.perf_counter())
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"
+    outcome.status, headers, outcome.error, _ = await post_stream(
+        session, url, body, {"content-type": "application/json"}, reader
+    )
+    outcome.deployment = headers.get("x-tailguard-deployment")
+    outcome.route = headers.get("x-tailguard-route")
     if reader.t_first is not None:
         outcome.ttft_s = reader.t_first - origin
-    if outcome.error is None:
-        if reader.error is not None:
-            outcome.error = reader.error
-        elif not reader.done:
-            outcome.error = "stream ended without [DONE]"
     return outcome
 
 

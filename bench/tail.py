@@ -63,6 +63,7 @@ try:  # `python -m bench.tail` or `python bench/tail.py`
         environment,
         parse_modes,
         pin_client,
+        post_stream,
         sigterm_as_interrupt,
         stream_chat_body,
         write_results,
@@ -77,6 +78,7 @@ except ImportError:
         environment,
         parse_modes,
         pin_client,
+        post_stream,
         sigterm_as_interrupt,
         stream_chat_body,
         write_results,
@@ -215,29 +217,17 @@ async def one_request(
     outcome = Outcome(phase=phase, lag_s=started - due)
     headers = {"content-type": "application/json", "x-request-id": request_id}
     reader = SSEReader()
-    try:
-        async with session.post(url, data=body, headers=headers) as response:
-            outcome.status = response.status
-            outcome.deployment = response.headers.get("x-tailguard-deployment")
-            outcome.route = response.headers.get("x-tailguard-route")
-            with contextlib.suppress(ValueError):
-                outcome.attempts = int(response.headers.get("x-tailguard-attempts", ""))
-            if response.status != 200:
-                text = await response.read()
-                outcome.error = f"status {response.status}: {text[:200]!r}"
-            else:
-                async for data in response.content.iter_any():
-                    reader.feed(data, time.perf_counter())
+    outcome.status, answered, outcome.error, broken = await post_stream(
+        session, url, body, headers, reader
+    )
+    if not broken:
         outcome.total_s = time.perf_counter() - origin
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        outcome.error = f"{type(exc).__name__}: {exc}"
+    outcome.deployment = answered.get("x-tailguard-deployment")
+    outcome.route = answered.get("x-tailguard-route")
+    with contextlib.suppress(ValueError):
+        outcome.attempts = int(answered.get("x-tailguard-attempts", ""))
     if reader.t_first is not None:
         outcome.ttft_s = reader.t_first - origin
-    if outcome.error is None:
-        if reader.error is not None:
-            outcome.error = reader.error
-        elif not reader.done:
-            outcome.error = "stream ended without [DONE]"
     return outcome
 
 
