@@ -183,3 +183,13 @@ async def test_readyz_admin_and_metrics_show_a_degraded_store() -> None:
         assert 'tailguard_responses_store_up{store="redis"} 0.0' in metrics
         assert 'tailguard_responses_store_pending_writes{store="redis"} 1.0' in metrics
         assert 'tailguard_responses_store_writes_total{result="retried",store="redis"}' in metrics
+
+
+async def test_the_store_connects_before_the_first_request(redis_server: RedisServer) -> None:
+    """The store's Redis connection is made while the gateway starts (for a Cluster, the slot
+    map is read then), so the first stored-response read does not pay for it."""
+    shared = {"store": "redis", "redis_url": redis_server.url}
+    async with Redis.from_url(redis_server.url) as raw:
+        assert len(await raw.client_list()) == 1  # this client
+        async with run_gateway(settings(shared)):
+            assert len(await raw.client_list()) == 2
