@@ -20,6 +20,7 @@ from gateway.redis import connect_redis
 from gateway.response_ids import minted_at, new_response_id
 from gateway.responses_store import (
     KEY_PREFIX,
+    MAX_ATTEMPTS,
     RETRY_S,
     ResponseGoneError,
     ResponseStore,
@@ -135,6 +136,22 @@ async def test_a_write_still_failing_after_the_retry_window_is_dropped_and_count
         await store.flush()
         stats = store.stats()
         assert (stats["pending_writes"], stats["dropped_writes"]) == (0, 1)
+    finally:
+        await store.aclose()
+
+
+async def test_a_write_failing_max_attempts_times_is_dropped_and_counted() -> None:
+    """Retries are bounded in number too: the MAX_ATTEMPTS-th failure drops the write."""
+    store = redis_store(dead_url())
+    try:
+        store.put(response())
+        for _ in range(MAX_ATTEMPTS - 1):
+            await store.flush()  # one try each, whatever the breaker says
+        assert store.stats()["pending_writes"] == 1
+        await store.flush()
+        stats = store.stats()
+        assert (stats["pending_writes"], stats["dropped_writes"]) == (0, 1)
+        assert stats["retried_writes"] == MAX_ATTEMPTS - 1
     finally:
         await store.aclose()
 

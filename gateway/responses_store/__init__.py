@@ -39,6 +39,7 @@ from gateway.redis import RedisClient, connect_redis
 from gateway.response_ids import minted_at
 from gateway.responses_store.redis_tier import (
     KEY_PREFIX,
+    MAX_ATTEMPTS,
     RETRY_S,
     WRITE_TIMEOUT_FACTOR,
     RedisTier,
@@ -50,6 +51,7 @@ from gateway.responses_store.redis_tier import (
 
 __all__ = [
     "KEY_PREFIX",
+    "MAX_ATTEMPTS",
     "RETRY_S",
     "ResponseGoneError",
     "ResponseStore",

@@ -10,7 +10,7 @@ Cluster needs no hash tags.
 
 A write that fails stays queued, in order, and is tried again once the breaker lets Redis be
 called (for a Cluster, after the slot map is read again): it is dropped, and counted, only when
-the queue is full or it is older than `RETRY_S`.
+the queue is full, it is older than `RETRY_S`, or it failed `MAX_ATTEMPTS` times.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ log = logging.getLogger("tailguard")
 
 KEY_PREFIX = "tailguard:resp:"
 RETRY_S = 300  # a failed write is tried again for this long after its response was made
+MAX_ATTEMPTS = 40  # ... and at most this many times (the breaker's backoff spaces them)
 _FIELDS = ("owner", "created_at", "response", "items", "ancestors", "gone")
 _BATCH_ENTRIES = 64  # responses per write pipeline
 _BATCH_BYTES = 4 * 1024 * 1024  # ... or this many bytes of them (at least one response)
@@ -395,12 +396,12 @@ class WriteQueue:
             if write.id in self._taken_back or write.id in self._queued:
                 continue
             made = self._expiry(write) - self._ttl_s  # when it was made (or deleted)
-            if now - made > RETRY_S:
+            attempts = self._attempts.pop(write.id, 0) + 1
+            if now - made > RETRY_S or attempts >= MAX_ATTEMPTS:
                 self.dropped_writes += 1
-                self._attempts.pop(write.id, None)
-                log.warning("responses store: a write failed for %d s; dropped", RETRY_S)
+                log.warning("responses store: a write failed %d times; dropped", attempts)
                 continue
-            self._attempts[write.id] = self._attempts.get(write.id, 0) + 1
+            self._attempts[write.id] = attempts
             self.retried_writes += 1
             self._queued[write.id] = write
             self._queued.move_to_end(write.id, last=False)
