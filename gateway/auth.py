@@ -36,11 +36,15 @@ class Principal:
     max_concurrent: int | None = None
     max_n: int | None = None
     max_tokens: int | None = None
+    # Who owns what the key stores (responses): derived from the key's digest, so a replacement
+    # key under the same name is someone else. Not the digest itself, and not reversible to it.
+    identity: str = ""
 
     @classmethod
     def of(cls, spec: KeySpec) -> Principal:
         return cls(
             name=spec.name,
+            identity=identity_of(bytes.fromhex(spec.sha256)),
             models=frozenset(spec.models) if spec.models is not None else None,
             rpm=spec.rpm,
             tpm=spec.tpm,
@@ -52,6 +56,12 @@ class Principal:
     @property
     def rate_limited(self) -> bool:
         return self.rpm is not None or self.tpm is not None
+
+
+def identity_of(digest: bytes) -> str:
+    """A key's identity for what it owns: a hash of its SHA-256 digest, so stored state names
+    the key without holding the digest that authenticates it."""
+    return hashlib.sha256(b"tailguard-owner\0" + digest).hexdigest()[:32]
 
 
 class KeyRing:
@@ -66,7 +76,8 @@ class KeyRing:
             self._known[digest] = (digest, Principal.of(key))
         for admin in spec.admin_keys:
             digest = bytes.fromhex(admin.sha256)
-            self._known[digest] = (digest, Principal(name=admin.name, admin=True))
+            admin_principal = Principal(name=admin.name, admin=True, identity=identity_of(digest))
+            self._known[digest] = (digest, admin_principal)
 
     @property
     def enabled(self) -> bool:

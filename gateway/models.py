@@ -113,6 +113,7 @@ class Call:
     max_tokens: int | None = None
     n: int = 1  # choices asked for
     priority: str = "interactive"  # interactive | bulk
+    lineage: tuple[str, ...] = ()  # Responses: the stored responses it continues, newest first
 
     @property
     def wire(self) -> Wire:

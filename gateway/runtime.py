@@ -63,9 +63,17 @@ from gateway.telemetry import (
     make_registry,
     tracing_from_env,
 )
-from gateway.telemetry.prometheus import AffinityCollector, BulkPreemptionsCollector
+from gateway.telemetry.prometheus import (
+    AffinityCollector,
+    BulkPreemptionsCollector,
+    ResponsesStoreCollector,
+)
 
 log = logging.getLogger("tailguard")
+
+# The response store connects at start-up (a Cluster reads its slot map) within this, so that
+# the first read is not slowed by it; a Redis that does not answer delays start-up no longer.
+_WARM_TIMEOUT_S = 3.0
 
 
 @dataclass(slots=True, eq=False)
@@ -174,6 +182,7 @@ class Runtime:
                 ),
                 AffinityCollector(lambda: self.services.affinity.counts),
                 BulkPreemptionsCollector(lambda: _preemptions(self.services)),
+                ResponsesStoreCollector(lambda: self.services.responses),
             )
             self.meters = Meters(self.registry, {})
             self.services = await self._build(settings, guards=None)
@@ -230,7 +239,7 @@ class Runtime:
             servers=servers,
             predictor=self.predictor,
             affinity=_affinity(getattr(self, "services", None), settings),
-            responses=_response_store(settings, kept, pools),  # last: nothing after it can fail
+            responses=await _response_store(settings, kept, pools),  # last: the rest cannot fail
             _pools=pools,
         )
 
@@ -368,14 +377,18 @@ async def _drain(old: Services) -> None:
         await old._pools.aclose()
 
 
-def _response_store(
+async def _response_store(
     settings: Settings, kept: ResponseStore | None, pools: AsyncExitStack
 ) -> ResponseStore:
     """The previous config's store when `responses` is unchanged (stored responses outlive the
-    reload; `latency` cannot change without a restart), else a new one. Each config's pools
-    release their hold: the store closes after the last config using it has drained."""
-    same = kept is not None and kept.spec == settings.responses
-    store = kept.share() if kept is not None and same else open_response_store(settings)
+    reload; `latency` cannot change without a restart), else a new one, connected (never
+    raises). Each config's pools release their hold: the store closes after the last config
+    using it has drained."""
+    if kept is not None and kept.spec == settings.responses:
+        store = kept.share()
+    else:
+        store = open_response_store(settings)
+        await store.warm(_WARM_TIMEOUT_S)
     pools.push_async_callback(store.aclose)
     return store
 

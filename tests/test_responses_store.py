@@ -21,6 +21,7 @@ from gateway.errors import StoreUnavailableError
 from gateway.redis import connect_redis
 from gateway.responses_store import (
     KEY_PREFIX,
+    ResponseGoneError,
     ResponseStore,
     StoredResponse,
     open_response_store,
@@ -168,11 +169,15 @@ async def test_the_least_recently_used_goes_beyond_max_bytes() -> None:
 
 
 async def test_a_response_over_max_bytes_per_response_is_not_stored() -> None:
-    """put refuses a response larger than the cap (False), and nothing is stored."""
+    """put refuses a response larger than the cap (False), and a read of its id says why,
+    naming the limit (to its owner only)."""
     store = memory_store(max_bytes_per_response=1024)
     assert store.put(response(size=1025, created_at=NOW)) is False
     assert store.put(response("resp_fits", size=1024, created_at=NOW)) is True
-    assert await store.get("resp_1", "team-a") is None
+    with pytest.raises(ResponseGoneError) as raised:
+        await store.get("resp_1", "team-a")
+    assert "responses.max_bytes_per_response (1024 bytes)" in raised.value.reason
+    assert await store.get("resp_1", "team-b") is None
     assert store.stats()["too_large"] == 1
 
 
@@ -274,14 +279,18 @@ async def test_a_response_pushed_out_of_memory_is_read_from_redis(
 async def test_a_response_deleted_before_its_write_never_reaches_redis(
     redis_server: RedisServer, raw: Redis
 ) -> None:
-    """Deleting a response whose write is still queued takes the write back."""
+    """Deleting a response whose write is still queued takes the write back: only its
+    tombstone (owner and `gone`, no content) is written."""
     store = redis_store(redis_server.url)
     try:
         store.put(response())
         assert await store.delete("resp_1", "team-a") is True
         await store.flush()
-        assert await raw.exists(KEY_PREFIX + "resp_1") == 0
-        assert store.stats()["writes"] == 0
+        assert await raw.hgetall(KEY_PREFIX + "resp_1") == {
+            b"owner": b"team-a",
+            b"gone": b"deleted",
+        }
+        assert store.stats()["writes"] == 1
     finally:
         await store.aclose()
 
@@ -317,14 +326,16 @@ async def test_aclose_flushes_the_queued_writes(redis_server: RedisServer) -> No
 
 
 async def test_put_never_raises_when_redis_is_down() -> None:
-    """A Redis that refuses connections: put stores in memory and answers at once, the write is
-    dropped and counted, and a read memory cannot answer is a 503 `store_unavailable`."""
+    """A Redis that refuses connections: put stores in memory and answers at once, the write
+    stays queued to be tried again, and a read memory cannot answer is a 503
+    `store_unavailable`."""
     store = redis_store(f"redis://127.0.0.1:{free_port()}/0")
     try:
         assert store.put(response()) is True
         await store.flush()
         stats = store.stats()
-        assert (stats["writes"], stats["dropped_writes"], stats["store_errors"]) == (0, 1, 1)
+        assert (stats["writes"], stats["dropped_writes"], stats["store_errors"]) == (0, 0, 1)
+        assert (stats["retried_writes"], stats["pending_writes"]) == (1, 1)
         assert await store.get("resp_1", "team-a") is not None  # memory still serves it
         with pytest.raises(StoreUnavailableError) as raised:
             await store.get("resp_other", "team-a")

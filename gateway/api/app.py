@@ -104,6 +104,7 @@ def _latency_view(services: Services) -> dict[str, Any]:
         # Counted since start on this replica, not over the window like the rest of the entry.
         deployments.setdefault(deployment, TargetStats.empty().as_dict())["prompt_cache"] = cache
     body["store"] = services.latency.health()
+    body["responses_store"] = services.responses.health() | services.responses.stats()
     if services.servers:
         body["vllm"] = vllm_snapshot(services.servers)
         body["predictor"] = services.predictor.learned()
@@ -259,6 +260,8 @@ def _add_routes(app: FastAPI) -> None:
             "models": [m.name for m in services.settings.models],
             # Still ready when the store is degraded: requests do not depend on it.
             "latency_store": services.latency.health(),
+            # Degraded or losing writes, still ready: only stored-response reads need it.
+            "responses_store": services.responses.health(),
             "rate_limits": runtime.limiter.health(),
             "config": runtime.health(),
         }

@@ -2,7 +2,8 @@
 `previous_response_id` expanded into its input before routing (so the conversation may go to any
 upstream), and `GET`/`DELETE /v1/responses/{id}` and its input items.
 
-A response is visible only to the key that created it; another key's id reads as not found.
+A response is visible only to the key that created it (its identity, not its name: a new key
+under the same name is another owner); another key's id reads as not found.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ from gateway.auth import Principal
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.models import Call
 from gateway.providers.translate.items import input_items, new_id, output_items_as_input
-from gateway.responses_store import ResponseStore, StoredResponse
+from gateway.responses_store import ResponseGoneError, ResponseStore, StoredResponse
 
 _JSON = "application/json"
 
 
 def owner_of(principal: Principal | None) -> str:
-    """Whose responses a caller sees: its key's name ("" when keys are off)."""
-    return principal.name if principal is not None else ""
+    """Whose responses a caller sees: its key's identity ("" when keys are off)."""
+    if principal is None:
+        return ""
+    return principal.identity or principal.name
 
 
 async def continue_conversation(store: ResponseStore, call: Call, owner: str) -> Call:
@@ -34,43 +37,60 @@ async def continue_conversation(store: ResponseStore, call: Call, owner: str) ->
     previous = call.body.get("previous_response_id")
     if not previous:
         return call
-    stored = await store.get(previous, owner)
+    try:
+        stored = await store.get(previous, owner)
+    except ResponseGoneError as gone:
+        raise _previous_missing(previous, f": {gone.reason}") from None
     if stored is None:
-        raise InvalidRequestError(
-            f"Previous response with id '{previous[:64]}' not found.",
-            param="previous_response_id",
-            code="previous_response_not_found",
-        )
+        raise _previous_missing(previous, "")
     history: list[Any] = orjson.loads(stored.items)
     history += output_items_as_input(orjson.loads(stored.response))
     history += input_items(call.body)
     body = {**call.body, "input": history}
-    return replace(call, body=body, raw=orjson.dumps(body))
+    lineage = (stored.id, *stored.ancestors)
+    return replace(call, body=body, raw=orjson.dumps(body), lineage=lineage)
 
 
-def keep(store: ResponseStore, call: Call, response: dict[str, Any], owner: str) -> None:
-    """Store a finished response (unless the request said `store: false`)."""
+def _previous_missing(previous: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"Previous response with id '{previous[:64]}' not found{why}.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
+def keep(store: ResponseStore, call: Call, response: dict[str, Any], owner: str) -> bool:
+    """Store a finished response (unless the request said `store: false`); False when it was
+    to be stored and was not (too large: a read of its id then says why)."""
     if call.body.get("store") is False:
-        return
-    store.put(
+        return True
+    return store.put(
         StoredResponse(
             id=response["id"],
             owner=owner,
             response=orjson.dumps(response),
             items=orjson.dumps(input_items(call.body)),
             created_at=int(time.time()),  # its TTL runs from now, whatever the upstream's clock
+            ancestors=call.lineage,
         )
     )
 
 
-def _missing(response_id: str) -> NotFoundError:
+def _missing(response_id: str, why: str = "") -> NotFoundError:
     return NotFoundError(
-        f"No response with id '{response_id[:64]}' was found.", code="response_not_found"
+        f"No response with id '{response_id[:64]}' was found{why}.", code="response_not_found"
     )
 
 
+async def _read(store: ResponseStore, response_id: str, owner: str) -> StoredResponse | None:
+    try:
+        return await store.get(response_id, owner)
+    except ResponseGoneError as gone:
+        raise _missing(response_id, f": {gone.reason}") from None
+
+
 async def get_response(store: ResponseStore, response_id: str, owner: str) -> Response:
-    stored = await store.get(response_id, owner)
+    stored = await _read(store, response_id, owner)
     if stored is None:
         raise _missing(response_id)
     return Response(stored.response, media_type=_JSON)
@@ -87,7 +107,7 @@ async def list_input_items(
     store: ResponseStore, response_id: str, owner: str, *, limit: int, order: str
 ) -> Response:
     """The input items a stored response was made from (the whole conversation before it)."""
-    stored = await store.get(response_id, owner)
+    stored = await _read(store, response_id, owner)
     if stored is None:
         raise _missing(response_id)
     items = [_as_item(item) for item in orjson.loads(stored.items)]

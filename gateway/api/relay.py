@@ -191,8 +191,10 @@ class Proxy:
 
     async def _respond(self, opened: Opened, send: Send, ledger: Ledger) -> None:
         body = b"".join(opened.head)
-        _keep(self._outcome, self._call, opened)
+        kept = _keep(self._outcome, self._call, opened)
         headers = _head(self._outcome, self._call, opened, _JSON)
+        if not kept:  # the answer says `store: true`: say it was not (a read says why)
+            headers.append((b"x-tailguard-stored", b"false"))
         headers.append((b"content-length", str(len(body)).encode()))
         self._started = True
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -335,12 +337,14 @@ def _went_idle(deployment: str, idle_s: float) -> ProviderTimeoutError:
     )
 
 
-def _keep(outcome: RequestOutcome, call: Call, opened: Opened) -> None:
-    """Store a finished Responses API answer for `previous_response_id` and GET."""
+def _keep(outcome: RequestOutcome, call: Call, opened: Opened) -> bool:
+    """Store a finished Responses API answer for `previous_response_id` and GET; False when it
+    was to be stored and was not."""
     result = opened.prepared.result
     if result is not None and result.response is not None:
         owner = owner_of(outcome.ctx.principal)
-        keep(outcome.services.responses, call, result.response, owner)
+        return keep(outcome.services.responses, call, result.response, owner)
+    return True
 
 
 def _cut(opened: Opened | None, error: GatewayError, wire: Wire) -> bytes:

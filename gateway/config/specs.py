@@ -476,7 +476,8 @@ class ResponsesSpec(_Spec):
     max_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     """Bytes of responses held in this process's memory; beyond, the least recently used go."""
     max_bytes_per_response: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
-    """A response with its conversation larger than this is not stored."""
+    """A response with its conversation larger than this is not stored: the answer carries
+    `x-tailguard-stored: false` (non-streaming), and a read of its id names this limit."""
     redis_timeout_ms: Annotated[int, Field(gt=0, le=10_000)] = 250
     """A read from Redis waits this long at most; then the request gets a 503."""
 

@@ -32,7 +32,8 @@ from gateway.providers.translate.events import (
     chat_body_to_response,
     native_body,
 )
-from gateway.providers.translate.items import new_id, responses_request_to_chat
+from gateway.providers.translate.items import responses_request_to_chat
+from gateway.response_ids import new_response_id
 
 _STREAMED_WITH_USAGE = ("chat", "completions")
 _SENDABLE_DEPTH = 254  # orjson serialises no deeper
@@ -177,7 +178,7 @@ def _prepare_responses(
 
     chat = responses_request_to_chat(call.body)
     chat["model"] = upstream_model
-    response_id = new_id("resp_")
+    response_id = new_response_id(stored=call.body.get("store") is not False)
     events = ResponsesEvents(call.body, response_id, upstream_model, result)
     if provider.wire == "anthropic":
         translated = chat_request_to_anthropic(chat)

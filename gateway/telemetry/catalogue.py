@@ -22,7 +22,12 @@ from gateway.telemetry.meters import (
     Meters,
     PromptTokensCollector,
 )
-from gateway.telemetry.prometheus import EventLoopCollector, LatencyStoreCollector, VllmCollector
+from gateway.telemetry.prometheus import (
+    EventLoopCollector,
+    LatencyStoreCollector,
+    ResponsesStoreCollector,
+    VllmCollector,
+)
 
 __all__ = ["MetricInfo", "catalogue"]
 
@@ -37,6 +42,14 @@ class MetricInfo:
     help: str
 
 
+class _NoStore:
+    def health(self) -> dict[str, str]:
+        return {"store": "memory", "state": "ok"}
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
 def catalogue() -> list[MetricInfo]:
     """Every metric family `GET /metrics` exposes, sorted by name (what the metrics reference is
     generated from). The meters and collectors are built here with empty state; the app builds
@@ -49,6 +62,7 @@ def catalogue() -> list[MetricInfo]:
             *(m for m in vars(meters).values() if isinstance(m, MetricWrapperBase)),
             PromptTokensCollector(meters.prompt_tokens),
             LatencyStoreCollector(lambda: {"type": "memory", "state": "ok"}, dict),
+            ResponsesStoreCollector(lambda: _NoStore()),
             GuardsCollector(dict, dict, int, int, dict),
             BatchingCollector(lambda: BatchingState({}, {}, {}, {}, 0)),
             LimitsCollector(lambda: LimitsState({}, 0, {}, 0)),

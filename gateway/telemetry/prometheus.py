@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,6 +21,10 @@ LATENCY_STORE_REFRESH_FAILURES = "tailguard_latency_store_refresh_failures"
 LATENCY_STORE_DROPPED_SAMPLES = "tailguard_latency_store_dropped_samples"
 LATENCY_STORE_PENDING = "tailguard_latency_store_pending_writes"
 LATENCY_SNAPSHOT_AGE = "tailguard_latency_snapshot_age_seconds"
+RESPONSES_STORE_UP = "tailguard_responses_store_up"
+RESPONSES_STORE_WRITES = "tailguard_responses_store_writes"  # counter: result
+RESPONSES_STORE_PENDING = "tailguard_responses_store_pending_writes"
+RESPONSES_STORE_ERRORS = "tailguard_responses_store_errors"
 INFLIGHT = "tailguard_upstream_inflight"
 EVENT_LOOP_TASKS = "tailguard_event_loop_tasks"
 BULK_PREEMPTIONS = "tailguard_bulk_preemptions"  # counter: deployment
@@ -124,6 +128,62 @@ class BulkPreemptionsCollector(Collector):
         for deployment, count in sorted(self._counts().items()):
             family.add_metric([deployment], float(count))
         yield family
+
+
+class StoreView(Protocol):
+    """What the response-store collector reads (`gateway.responses_store.ResponseStore`)."""
+
+    def health(self) -> Mapping[str, Any]: ...
+    def stats(self) -> Mapping[str, int]: ...
+
+
+class ResponsesStoreCollector(Collector):
+    """Reads the stored responses' health and write counters at scrape time (those of the
+    current config's store: a reload that changes `responses` starts them again)."""
+
+    def __init__(self, store: Callable[[], StoreView]) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        store_now = self._store()
+        health, stats = store_now.health(), store_now.stats()
+        store = str(health.get("store", "memory"))
+        up = GaugeMetricFamily(
+            RESPONSES_STORE_UP,
+            "1 when the response store works as configured, 0 while its Redis fails (reads "
+            "memory cannot answer get 503, writes wait to be tried again).",
+            labels=["store"],
+        )
+        up.add_metric([store], 1.0 if health.get("state") == "ok" else 0.0)
+        yield up
+        writes = CounterMetricFamily(
+            RESPONSES_STORE_WRITES,
+            "Stored-response writes to Redis by result: written, retried (failed and queued "
+            "again) or dropped (queue full, or still failing after the retry window); "
+            "too_large: responses over max_bytes_per_response, not stored.",
+            labels=["store", "result"],
+        )
+        for result, key in (
+            ("written", "writes"),
+            ("retried", "retried_writes"),
+            ("dropped", "dropped_writes"),
+            ("too_large", "too_large"),
+        ):
+            writes.add_metric([store, result], float(stats.get(key, 0)))
+        yield writes
+        pending = GaugeMetricFamily(
+            RESPONSES_STORE_PENDING,
+            "Stored responses queued or being written to Redis (readable only on this replica "
+            "meanwhile).",
+            labels=["store"],
+        )
+        pending.add_metric([store], float(stats.get("pending_writes", 0)))
+        yield pending
+        errors = CounterMetricFamily(
+            RESPONSES_STORE_ERRORS, "Failed Redis calls of the response store.", labels=["store"]
+        )
+        errors.add_metric([store], float(stats.get("store_errors", 0)))
+        yield errors
 
 
 class EventLoopCollector(Collector):
