@@ -398,6 +398,12 @@ class AnthropicStreamDecoder:
         if not data or event.event == "ping":
             return Chunk(raw=event.raw)
         obj = parse_object(data, "stream event")
+        if event.event == "error":  # an error event, whatever type its data claims
+            error = obj.get("error")
+            fields = error if isinstance(error, dict) else obj
+            return Chunk(
+                raw=event.raw, data=obj, error=_anthropic_error_fields(fields, self._scrub)
+            )
         try:
             return self._classify(event.raw, obj)
         except (AttributeError, KeyError, TypeError):

@@ -26,6 +26,7 @@ _CONTENT: Final = frozenset(
 )
 _CONTENT_ITEMS: Final = frozenset({"function_call", "web_search_call", "file_search_call"})
 _DONE: Final = frozenset({"response.completed", "response.incomplete"})
+_ERRORS: Final = frozenset({"error", "response.failed"})
 
 
 def _usage(usage: object) -> Usage | None:
@@ -58,7 +59,10 @@ class ResponsesStreamDecoder:
         if not event.data:
             return Chunk(raw=event.raw)  # a keep-alive comment
         data = parse_object(event.data, "stream event")
-        kind = data.get("type") or event.event
+        # An `error` or `response.failed` event is one whatever type its data claims: else it
+        # would be relayed byte for byte, with whatever text the upstream put in it.
+        named = event.event
+        kind = named if named in _ERRORS else data.get("type") or named
         if kind in _CONTENT:
             return Chunk(raw=event.raw, data=data, content=bool(data.get("delta")), tokens=1)
         if kind == "response.output_item.added":
