@@ -72,6 +72,11 @@ class ResponsesStreamDecoder:
             return Chunk(raw=event.raw, data=data, content=content)
         if kind in _DONE:
             response = data.get("response")
+            if isinstance(response, dict) and isinstance(response.get("error"), dict):
+                # A finished Response names no error: one that does failed, and its text
+                # would otherwise be relayed and stored as it came.
+                failed = _error(response["error"], "the response failed", self._scrub)
+                return Chunk(raw=event.raw, data=data, error=failed)
             usage = _usage(response.get("usage")) if isinstance(response, dict) else None
             reason = "stop" if kind == "response.completed" else "length"
             return Chunk(raw=event.raw, data=data, usage=usage, finish_reason=reason, done=True)
@@ -96,7 +101,7 @@ def decode_responses_body(body: bytes, *, scrub: Scrubber) -> Chunk:
         return Chunk(raw=body, data=obj, error=_error(error, "upstream error", scrub))
     if obj.get("object") != "response":
         raise UpstreamProtocolError("the response body is not a Response object")
-    if obj.get("status") == "failed":
+    if obj.get("status") == "failed" or isinstance(error, dict):
         return Chunk(raw=body, data=obj, error=_error(error, "the response failed", scrub))
     output = obj.get("output")
     usage = _usage(obj.get("usage"))

@@ -15,7 +15,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any, Final
 
-import httpx
 import orjson
 import pytest
 
@@ -42,7 +41,12 @@ SCENARIOS: Final = (
     "failing",
     "inband",
     "ok",
+    "dirty",
 )
+"""What the upstream does (its model name): fail after the first token in each of its wire's
+error shapes, send garbage, answer 400 or 500, fail before the first token, answer well (`ok`),
+or answer well but with an `error` in the Response object (`dirty`, the same as `ok` elsewhere);
+every answer carries the credentials in `x-request-id`."""
 LOGGERS: Final = ("tailguard", "tailguard.access", "gateway")
 
 
@@ -163,7 +167,7 @@ class Wire:
             return _event(event, "response.output_text.delta")
         return sse_token("hi")
 
-    def ending(self) -> list[bytes]:
+    def ending(self, echo: str = "") -> list[bytes]:
         if self.kind == "messages":
             usage = {"output_tokens": 1}
             return [
@@ -175,7 +179,8 @@ class Wire:
                 _event({"type": "message_stop"}, "message_stop"),
             ]
         if self.kind == "responses":
-            event = {"type": "response.completed", "sequence_number": 2, "response": _RESPONSE}
+            response = {**_RESPONSE, "error": _error_fields(echo)} if echo else _RESPONSE
+            event = {"type": "response.completed", "sequence_number": 2, "response": response}
             return [_event(event, "response.completed")]
         return [sse_finish(), DONE]
 
@@ -208,7 +213,7 @@ class Wire:
             )
         return orjson.dumps({"error": fields})
 
-    def body(self) -> bytes:
+    def body(self, echo: str = "") -> bytes:
         if self.kind == "messages":
             return orjson.dumps(
                 {
@@ -222,7 +227,7 @@ class Wire:
                 }
             )
         if self.kind == "responses":
-            return orjson.dumps(_RESPONSE)
+            return orjson.dumps({**_RESPONSE, "error": _error_fields(echo)} if echo else _RESPONSE)
         return orjson.dumps(
             {
                 "id": "chatcmpl-1",
@@ -254,8 +259,9 @@ async def echoing(exchange: Exchange) -> None:
         await exchange.respond(status, wire.error_body(echo), headers=echoed)
         return
     if not stream:
-        if scenario == "ok":
-            await exchange.respond(200, wire.body(), headers=echoed)
+        if scenario in ("ok", "dirty"):
+            dirt = echo if scenario == "dirty" else ""
+            await exchange.respond(200, wire.body(dirt), headers=echoed)
         elif scenario == "garbled":
             await exchange.respond(200, f"not json {echo}".encode())
         else:  # an error inside a 200 answer
@@ -265,8 +271,8 @@ async def echoing(exchange: Exchange) -> None:
     events = wire.opening()
     if scenario == "inband":  # before the first token
         events.append(wire.error_event(echo))
-    elif scenario == "ok":
-        events += [wire.token(), *wire.ending()]
+    elif scenario in ("ok", "dirty"):
+        events += [wire.token(), *wire.ending(echo if scenario == "dirty" else "")]
     else:
         events.append(wire.token())
         if scenario == "garbled":
@@ -371,7 +377,7 @@ async def test_no_upstream_credential_reaches_client_log_span_or_store(
                         assert not leaks(text), case
                         if scenario == "ok":
                             assert resp.status_code == 200, case
-                        elif scenario not in ("garbled", "failing"):
+                        elif scenario not in ("garbled", "failing", "dirty"):
                             assert "boom" in text, case  # the upstream's words still arrive
                         seen.append(case)
                         for response_id in response_ids(resp.text):
