@@ -75,7 +75,8 @@ def forms_of(secret: str) -> set[str]:
         values |= _basic_parts(value)
     forms: set[str] = set()
     for value in values:
-        forms |= {value, quote(value, safe=""), orjson.dumps(value).decode()[1:-1]}
+        escaped = orjson.dumps(value).decode()[1:-1]
+        forms |= {value, quote(value, safe=""), escaped, escaped.replace("/", "\\/")}
         forms |= _base64_forms(value.encode())
     return {form for form in forms if len(form) >= MIN_SECRET_CHARS}
 
