@@ -115,9 +115,9 @@ class Wire:
     def __init__(self, path: str) -> None:
         self.kind = (
             "messages"
-            if path.endswith("/messages")
+            if path.endswith(("/messages", "/messages/count_tokens"))
             else "responses"
-            if path.endswith("/responses")
+            if path.endswith(("/responses", "/responses/input_tokens"))
             else "chat"
         )
 
@@ -324,6 +324,10 @@ def settings(upstream: RawUpstream) -> Any:
     )
 
 
+COUNTERS: Final = {  # client wire → its token-counting path (forwarded to the upstream's own)
+    "messages": ("/v1/messages/count_tokens", ("an",)),
+    "responses": ("/v1/responses/input_tokens", ("oa",)),
+}
 ROUTES: Final = {  # client wire → (path, the providers that serve it: native first)
     "chat": ("/v1/chat/completions", ("oa", "an")),
     "messages": ("/v1/messages", ("an", "oa")),
@@ -383,6 +387,14 @@ async def test_no_upstream_credential_reaches_client_log_span_or_store(
                         for response_id in response_ids(resp.text):
                             stored = await client.get(f"{url}/v1/responses/{response_id}")
                             assert not leaks(stored.text), (case, stored.text)
+            counter, counted_by = COUNTERS.get(wire, ("", ()))
+            for provider in counted_by:  # the upstream's counter fails, echoing the key
+                for scenario in ("rejected", "failing"):
+                    body = body_for(wire, f"{provider}-{scenario}", False)
+                    del body["stream"]
+                    resp = await client.post(url + counter, json=body)
+                    text = f"{resp.status_code} {dict(resp.headers)} {resp.text}"
+                    assert not leaks(text), text  # an estimate, or the upstream's refusal
         # The gateway has stopped: every access line is written and every span exported.
     assert len(seen) == len(providers) * len(SCENARIOS) * 2
     formatter = logging.Formatter("%(name)s %(levelname)s %(message)s")
