@@ -22,6 +22,9 @@ from urllib.parse import quote
 import orjson
 
 MASK = "***"
+MARGIN_CHARS = 256
+"""What `Scrubber.bounded` reads past its limit: a credential that starts before the cut is
+masked whole, never left in part (the generic patterns' keys are far shorter)."""
 MIN_SECRET_CHARS = 8
 """A configured value shorter than this is not searched for: masking every "on" or "1" in a
 message (a header like `x-feature: on` is configured as a secret too) would garble it."""
@@ -87,6 +90,7 @@ class Scrubber:
     one regex pass per pattern, and only error text goes through it (never content)."""
 
     own: re.Pattern[str] | None = None
+    margin: int = MARGIN_CHARS  # at least the longest form of its own secrets
 
     GENERIC: ClassVar[Scrubber]
 
@@ -101,7 +105,8 @@ class Scrubber:
         # Longest first, so a form inside another (the token inside "Bearer <token>") never
         # leaves part of the longer one behind.
         alternatives = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
-        return cls(re.compile(alternatives, re.IGNORECASE))
+        margin = max(MARGIN_CHARS, max(len(f) for f in forms))
+        return cls(re.compile(alternatives, re.IGNORECASE), margin)
 
     def __call__(self, text: str) -> str:
         if self.own is not None:
@@ -110,8 +115,14 @@ class Scrubber:
             text = pattern.sub(replacement, text)
         return text
 
-    def optional(self, text: str | None) -> str | None:
-        return None if text is None else self(text)
+    def bounded(self, text: str, limit: int) -> str:
+        """At most `limit` characters of `text`, scrubbed. Cut after the scrub, so that a
+        secret across the cut is masked whole; only a margin past the limit is read, so a huge
+        string costs no more than a short one."""
+        return self(text[: limit + self.margin])[:limit]
+
+    def optional(self, text: str | None, limit: int) -> str | None:
+        return None if text is None else self.bounded(text, limit)
 
     def clean_or_none(self, text: str | None) -> str | None:
         """`text` if it carries nothing to scrub, else None: for a value that is repeated as a

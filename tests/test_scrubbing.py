@@ -87,6 +87,17 @@ def test_short_values_are_not_searched_for() -> None:
     assert Scrubber.of(["on", "1"])("connection reset on read 1") == "connection reset on read 1"
 
 
+def test_a_secret_across_a_cut_is_masked_whole() -> None:
+    """Text is cut after it is scrubbed: a key that a length limit would split leaves no part
+    of itself, in a bounded string and in a decoded error's long param."""
+    text = SCRUB.bounded("x" * 95 + KEY + "y" * 10_000, 100)
+    assert len(text) == 100 and KEY[:5] not in text
+    body = json.dumps({"error": {"message": "m", "param": "p" * 120 + KEY}}).encode()
+    error = openai_error(body, scrub=SCRUB)
+    assert error is not None and error.param is not None
+    assert KEY[:8] not in error.param and len(error.param) <= 128
+
+
 def test_a_request_id_is_kept_whole_or_dropped() -> None:
     """An upstream's request id holding a secret is not repeated at all, not half-masked."""
     assert SCRUB.clean_or_none("req_abc123") == "req_abc123"

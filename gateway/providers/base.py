@@ -190,7 +190,7 @@ class ChunkStream:
                     return [decode(event) for event in events]
             except (SSEFramingError, UpstreamProtocolError) as exc:
                 raise ProviderError(
-                    f"invalid stream from upstream: {self._scrub(str(exc))}",
+                    f"invalid stream from upstream: {self._scrub.bounded(str(exc), 300)}",
                     deployment=self._deployment,
                     kind="invalid_response",
                 ) from None
@@ -215,7 +215,7 @@ class ChunkStream:
             return [decode_body(self._wire, body, scrub=self._scrub, responses=self._responses)]
         except UpstreamProtocolError as exc:
             raise ProviderError(
-                f"invalid response from upstream: {self._scrub(str(exc))}",
+                f"invalid response from upstream: {self._scrub.bounded(str(exc), 300)}",
                 deployment=self._deployment,
                 kind="invalid_response",
             ) from None
@@ -265,7 +265,7 @@ def status_error(
 
 
 def _snippet(body: bytes, scrub: Scrubber) -> str:
-    text = body[:300].decode("utf-8", "replace").strip()
+    text = body[: 300 + scrub.margin].decode("utf-8", "replace").strip()
     if text.lower().startswith(("<!doctype", "<html")):
         return "an HTML page instead of an API response"
-    return scrub(" ".join(text.split())) or "no error body"
+    return scrub.bounded(" ".join(text.split()), 300) or "no error body"

@@ -19,7 +19,7 @@ import orjson
 
 from gateway.models import Chunk, InBandError, SSEEvent, Usage
 from gateway.numbers import MAX_TOKENS, count
-from gateway.scrubbing import Scrubber
+from gateway.scrubbing import MARGIN_CHARS, Scrubber
 
 _DONE: Final = b"[DONE]"
 _SNIPPET_BYTES: Final = 200
@@ -45,8 +45,10 @@ class UpstreamProtocolError(ValueError):
 
 
 def _snippet(data: bytes) -> str:
-    text = data[:_SNIPPET_BYTES].decode("utf-8", "replace")
-    return text + "..." if len(data) > _SNIPPET_BYTES else text
+    """The start of `data` for a message; the reader scrubs and cuts it (`Scrubber.bounded`),
+    so it keeps a margin past the snippet's length: a secret across the cut is masked whole."""
+    text = data[: _SNIPPET_BYTES + MARGIN_CHARS].decode("utf-8", "replace")
+    return text + "..." if len(data) > _SNIPPET_BYTES + MARGIN_CHARS else text
 
 
 def parse_object(data: bytes, what: str) -> dict[str, Any]:
@@ -63,7 +65,8 @@ def parse_object(data: bytes, what: str) -> dict[str, Any]:
     return parsed
 
 
-MAX_PARAM_CHARS = 128  # an upstream's `param` longer than this is cut
+MAX_PARAM_CHARS = 128  # an upstream's `param`, `type` or `code` longer than this is cut
+MAX_MESSAGE_CHARS = 1000  # an upstream's error message longer than this is cut
 
 
 def _int(value: object) -> int | None:
@@ -106,13 +109,14 @@ def in_band(
     status: int | None = None,
     param: str | None = None,
 ) -> InBandError:
-    """The one way an upstream's error becomes an `InBandError`: every string scrubbed."""
+    """The one way an upstream's error becomes an `InBandError`: every string scrubbed, and
+    bounded (an error event may be megabytes long; the client is shown a few hundred chars)."""
     return InBandError(
-        message=scrub(message),
-        type=scrub(type),
-        code=scrub.optional(code),
+        message=scrub.bounded(message, MAX_MESSAGE_CHARS),
+        type=scrub.bounded(type, MAX_PARAM_CHARS),
+        code=scrub.optional(code, MAX_PARAM_CHARS),
         status=status,
-        param=scrub.optional(param),
+        param=scrub.optional(param, MAX_PARAM_CHARS),
     )
 
 
@@ -134,7 +138,7 @@ def _error_from_fields(
         type=_str(fields.get("type")) or "server_error",
         code=_str(code),
         status=status,
-        param=param[:MAX_PARAM_CHARS] if isinstance(param, str) and param else None,
+        param=param if isinstance(param, str) and param else None,
     )
 
 
@@ -332,9 +336,7 @@ def openai_error(body: bytes, *, scrub: Scrubber) -> InBandError | None:
         if isinstance(detail, list) and detail:  # FastAPI validation errors
             first = detail[0]
             text = first.get("msg") if isinstance(first, dict) else None
-            return in_band(
-                scrub, message=_str(text) or str(detail)[:500], type="invalid_request_error"
-            )
+            return in_band(scrub, message=_str(text) or str(detail), type="invalid_request_error")
         message = obj.get("message")
         if isinstance(message, str) and "choices" not in obj:
             return _error_from_fields(obj, message, scrub)

@@ -415,7 +415,7 @@ async def scrape_forever(
             raise
         except Exception as exc:
             state.failures += 1
-            state.last_error = scrub(f"{type(exc).__name__}: {exc}")[:200]
+            state.last_error = scrub.bounded(f"{type(exc).__name__}: {exc}", 200)
             if state.failures == 1:
                 logger.warning("vLLM metrics unavailable at %s: %s", state.url, state.last_error)
         else:
