@@ -131,8 +131,3 @@ class Scrubber:
 
 
 Scrubber.GENERIC = Scrubber()
-
-
-def scrub(text: str, secrets: tuple[str, ...] = ()) -> str:
-    """Remove `secrets` (in every form a `Scrubber` knows) and key-like strings from `text`."""
-    return Scrubber.of(secrets)(text)
