@@ -25,13 +25,13 @@
 Exceptions from libraries (aiohttp, redis) are translated where they are caught, never here. An
 upstream's error status (or the error it put inside a 200) is mapped to this tree in one table,
 `upstream_error`, whichever adapter read it. Messages made by the gateway name the deployment and
-never carry a credential; `scrub` removes key-like strings from text that came from elsewhere.
+never carry a credential; what an upstream wrote reaches an error only through its provider's
+`Scrubber` (gateway/scrubbing.py).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Mapping
 
@@ -320,10 +320,9 @@ def upstream_error(
     )
 
 
-def inband_error(
-    deployment: str, error: InBandError, secrets: tuple[str, ...] = ()
-) -> ProviderError:
-    """An error the upstream put inside a 200 response or stream, before anything was sent."""
+def inband_error(deployment: str, error: InBandError) -> ProviderError:
+    """An error the upstream put inside a 200 response or stream, before anything was sent
+    (its strings were scrubbed where it was decoded)."""
     status = error.status if error.status and 400 <= error.status <= 599 else 500
     if error.type in ("overloaded_error",):
         status = 529
@@ -332,7 +331,7 @@ def inband_error(
     return upstream_error(
         deployment=deployment,
         status=status,
-        detail=scrub(error.message, secrets)[:500],
+        detail=error.message[:500],
         headers={},
         upstream_code=error.code,
         inband=True,
@@ -404,26 +403,3 @@ def quote(value: object, limit: int = QUOTE_CHARS) -> str:
         return f"{value!r}... ({limit} characters shown)"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({limit} characters shown)"
-
-
-# --- scrubbing -----------------------------------------------------------------------------------
-
-_SECRET_PATTERNS = (
-    (re.compile(r"(?i)\b(bearer)\s+[^\s\"',;]+"), r"\1 ***"),
-    (re.compile(r"\b(sk|rk|pk)-[A-Za-z0-9_\-]{6,}"), r"\1-***"),
-    (
-        re.compile(r"(?i)\b(api[_-]?key|key|token|access_token|secret|signature|sig)=[^&\s\"']+"),
-        r"\1=***",
-    ),
-    (re.compile(r"(?i)(\"?(?:x-)?api-key\"?\s*[:=]\s*\"?)[^\s\"',;]+"), r"\1***"),
-)
-
-
-def scrub(text: str, secrets: tuple[str, ...] = ()) -> str:
-    """Remove credentials from text that came from outside (upstream bodies, exception text)."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    for pattern, replacement in _SECRET_PATTERNS:
-        text = pattern.sub(replacement, text)
-    return text

@@ -213,7 +213,7 @@ class Runtime:
         if self._extra_recorder is not None:
             recorders.append(self._extra_recorder)
         servers = {
-            name: self.scraper.watch(name, spec, providers[name].secrets, pools)
+            name: self.scraper.watch(name, spec, providers[name].scrub, pools)
             for name, spec in settings.providers.items()
             if spec.type == "vllm"
         }

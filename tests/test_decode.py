@@ -14,16 +14,17 @@ from gateway.providers.decode import (
     decode_openai_body,
     openai_error,
 )
+from gateway.scrubbing import MARGIN_CHARS, Scrubber
 from gateway.sse import SSEParser
 
 
 def openai_events(stream: bytes) -> list[Chunk]:
-    decoder = OpenAIStreamDecoder()
+    decoder = OpenAIStreamDecoder(scrub=Scrubber.GENERIC)
     return [decoder.decode(event) for event in SSEParser().feed(stream)]
 
 
 def anthropic_events(stream: bytes) -> list[Chunk]:
-    decoder = AnthropicStreamDecoder()
+    decoder = AnthropicStreamDecoder(scrub=Scrubber.GENERIC)
     return [decoder.decode(event) for event in SSEParser().feed(stream)]
 
 
@@ -205,12 +206,13 @@ def test_openai_stream_garbage_raises(stream: bytes) -> None:
 
 
 def test_protocol_error_message_is_truncated() -> None:
-    """The error names the offending bytes, at most about 200 of them."""
+    """The error names the offending bytes, at most about 200 of them plus the margin its
+    reader scrubs before cutting (a secret across the cut is masked whole)."""
     junk = b"x" * 10_000
     with pytest.raises(UpstreamProtocolError) as caught:
         openai_events(b"data: " + junk + b"\n\n")
     assert "xxxx" in str(caught.value)
-    assert len(str(caught.value)) < 300
+    assert len(str(caught.value)) < 300 + MARGIN_CHARS
 
 
 # --- OpenAI-compatible bodies -------------------------------------------------------------------
@@ -226,7 +228,7 @@ def test_openai_chat_body() -> None:
         b'"completion_tokens":10,"total_tokens":29,"prompt_tokens_details":{"cached_tokens":0,'
         b'"audio_tokens":0}},"service_tier":"default"}'
     )
-    chunk = decode_openai_body(body)
+    chunk = decode_openai_body(body, scrub=Scrubber.GENERIC)
     assert (chunk.raw, chunk.content, chunk.tokens, chunk.finish_reason) == (body, True, 10, "stop")
     assert chunk.usage == Usage(input_tokens=19, output_tokens=10, cached_tokens=0)
     assert chunk.data is not None and chunk.data["id"] == "chatcmpl-B9M"
@@ -240,7 +242,7 @@ def test_openai_tool_call_body_without_usage() -> None:
         b'"type":"function","function":{"name":"f","arguments":"{}"}}]},'
         b'"finish_reason":"tool_calls"}]}'
     )
-    chunk = decode_openai_body(body)
+    chunk = decode_openai_body(body, scrub=Scrubber.GENERIC)
     assert (chunk.content, chunk.tokens, chunk.usage) == (True, 1, None)
     assert chunk.finish_reason == "tool_calls"
 
@@ -252,7 +254,7 @@ def test_openai_empty_message_body_is_not_content() -> None:
         b'"message":{"role":"assistant","content":""},"finish_reason":"length"}],'
         b'"usage":{"prompt_tokens":3,"completion_tokens":0,"total_tokens":3}}'
     )
-    chunk = decode_openai_body(body)
+    chunk = decode_openai_body(body, scrub=Scrubber.GENERIC)
     assert (chunk.content, chunk.tokens) == (False, 0)
 
 
@@ -264,7 +266,7 @@ def test_openai_completions_body() -> None:
         b'"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":7,'
         b'"total_tokens":12}}'
     )
-    chunk = decode_openai_body(body)
+    chunk = decode_openai_body(body, scrub=Scrubber.GENERIC)
     assert (chunk.content, chunk.tokens, chunk.finish_reason) == (True, 7, "length")
 
 
@@ -275,7 +277,7 @@ def test_openai_embeddings_body() -> None:
         b'[0.0023064255,-0.009327292,-0.0028842222]}],"model":"text-embedding-3-small",'
         b'"usage":{"prompt_tokens":8,"total_tokens":8}}'
     )
-    chunk = decode_openai_body(body)
+    chunk = decode_openai_body(body, scrub=Scrubber.GENERIC)
     assert (chunk.content, chunk.tokens) == (True, 0)
     assert chunk.usage == Usage(input_tokens=8, output_tokens=None)
 
@@ -286,7 +288,7 @@ def test_openai_error_body_in_a_200() -> None:
         b'{"error":{"message":"Rate limit reached for gpt-4.1 on tokens per min (TPM).",'
         b'"type":"tokens","param":null,"code":"rate_limit_exceeded"}}'
     )
-    chunk = decode_openai_body(body)
+    chunk = decode_openai_body(body, scrub=Scrubber.GENERIC)
     assert chunk.error == InBandError(
         message="Rate limit reached for gpt-4.1 on tokens per min (TPM).",
         type="tokens",
@@ -301,7 +303,7 @@ def test_old_vllm_flat_error_body() -> None:
         b'{"object":"error","message":"This model\'s maximum context length is 4096 tokens. '
         b'However, you requested 5000 tokens.","type":"BadRequestError","param":null,"code":400}'
     )
-    chunk = decode_openai_body(body)
+    chunk = decode_openai_body(body, scrub=Scrubber.GENERIC)
     assert chunk.error is not None
     assert (chunk.error.type, chunk.error.code, chunk.error.status) == (
         "BadRequestError",
@@ -324,7 +326,7 @@ def test_old_vllm_flat_error_body() -> None:
 def test_openai_body_garbage_raises(body: bytes) -> None:
     """HTML, empty, plain-text or unrecognised bodies raise UpstreamProtocolError."""
     with pytest.raises(UpstreamProtocolError):
-        decode_openai_body(body)
+        decode_openai_body(body, scrub=Scrubber.GENERIC)
 
 
 # --- openai_error -------------------------------------------------------------------------------
@@ -368,7 +370,7 @@ def test_openai_body_garbage_raises(body: bytes) -> None:
 )
 def test_openai_error_shapes(body: bytes, expected: InBandError) -> None:
     """Every error shape an OpenAI-compatible server sends is recognised."""
-    assert openai_error(body) == expected
+    assert openai_error(body, scrub=Scrubber.GENERIC) == expected
 
 
 @pytest.mark.parametrize(
@@ -384,7 +386,7 @@ def test_openai_error_shapes(body: bytes, expected: InBandError) -> None:
 )
 def test_openai_error_returns_none_for_other_bodies(body: bytes) -> None:
     """Bodies that are not errors, or not JSON, give None rather than raising."""
-    assert openai_error(body) is None
+    assert openai_error(body, scrub=Scrubber.GENERIC) is None
 
 
 # --- Anthropic streams --------------------------------------------------------------------------
@@ -514,7 +516,7 @@ def test_anthropic_message_body() -> None:
         b'"stop_sequence":null,"usage":{"input_tokens":12,"cache_creation_input_tokens":100,'
         b'"cache_read_input_tokens":0,"output_tokens":6}}'
     )
-    chunk = decode_anthropic_body(body)
+    chunk = decode_anthropic_body(body, scrub=Scrubber.GENERIC)
     assert (chunk.raw, chunk.content, chunk.tokens, chunk.finish_reason) == (
         body,
         True,
@@ -533,7 +535,7 @@ def test_anthropic_tool_use_body_is_content() -> None:
         b'"tool_use","id":"toolu_1","name":"get_weather","input":{"location":"Paris"}}],'
         b'"stop_reason":"tool_use","stop_sequence":null}'
     )
-    chunk = decode_anthropic_body(body)
+    chunk = decode_anthropic_body(body, scrub=Scrubber.GENERIC)
     assert (chunk.content, chunk.tokens, chunk.usage, chunk.finish_reason) == (
         True,
         1,
@@ -548,7 +550,7 @@ def test_anthropic_error_body_in_a_200() -> None:
         b'{"type":"error","error":{"type":"rate_limit_error","message":"Number of request tokens '
         b'has exceeded your per-minute rate limit"},"request_id":"req_011CSHoEeqs5C35K2UUqR7Fy"}'
     )
-    chunk = decode_anthropic_body(body)
+    chunk = decode_anthropic_body(body, scrub=Scrubber.GENERIC)
     assert chunk.error is not None
     assert (chunk.error.type, chunk.error.status) == ("rate_limit_error", 429)
 
@@ -560,7 +562,7 @@ def test_anthropic_error_body_in_a_200() -> None:
 def test_anthropic_body_garbage_raises(body: bytes) -> None:
     """Bodies that are not Messages responses raise UpstreamProtocolError."""
     with pytest.raises(UpstreamProtocolError):
-        decode_anthropic_body(body)
+        decode_anthropic_body(body, scrub=Scrubber.GENERIC)
 
 
 @pytest.mark.parametrize(
@@ -582,7 +584,9 @@ def test_anthropic_error_statuses(kind: str, status: int) -> None:
     body = b'{"type":"error","error":{"type":"%s","message":"m"},"request_id":"req_1"}' % (
         kind.encode()
     )
-    assert anthropic_error(body) == InBandError(message="m", type=kind, status=status)
+    assert anthropic_error(body, scrub=Scrubber.GENERIC) == InBandError(
+        message="m", type=kind, status=status
+    )
 
 
 @pytest.mark.parametrize(
@@ -590,7 +594,7 @@ def test_anthropic_error_statuses(kind: str, status: int) -> None:
 )
 def test_anthropic_error_returns_none_for_other_bodies(body: bytes) -> None:
     """Bodies that are not Anthropic errors give None rather than raising."""
-    assert anthropic_error(body) is None
+    assert anthropic_error(body, scrub=Scrubber.GENERIC) is None
 
 
 @pytest.mark.parametrize(
@@ -625,8 +629,8 @@ LAZY_CASES = [
 def test_lazy_decoder_classifies_like_the_full_one(data: bytes) -> None:
     """Skipping the parse for plain content events never changes how an event is classified."""
     event = SSEEvent(raw=b"data: " + data + b"\n\n", data=data)
-    full = OpenAIStreamDecoder().decode(event)
-    lazy = OpenAIStreamDecoder(lazy=True).decode(event)
+    full = OpenAIStreamDecoder(scrub=Scrubber.GENERIC).decode(event)
+    lazy = OpenAIStreamDecoder(lazy=True, scrub=Scrubber.GENERIC).decode(event)
     assert (lazy.content, lazy.tokens, lazy.finish_reason, lazy.usage, lazy.error, lazy.done) == (
         full.content,
         full.tokens,
@@ -641,5 +645,7 @@ def test_lazy_decoder_classifies_like_the_full_one(data: bytes) -> None:
 def test_lazy_decoder_skips_parsing_plain_content() -> None:
     """The common content event is recognised from its bytes alone (no parsed data)."""
     data = LAZY_CASES[0]
-    chunk = OpenAIStreamDecoder(lazy=True).decode(SSEEvent(raw=data, data=data))
+    chunk = OpenAIStreamDecoder(lazy=True, scrub=Scrubber.GENERIC).decode(
+        SSEEvent(raw=data, data=data)
+    )
     assert (chunk.content, chunk.tokens, chunk.data) == (True, 1, None)

@@ -31,6 +31,7 @@ from gateway.routing.plan import (
     weighted_order,
     with_exploration,
 )
+from gateway.scrubbing import Scrubber
 
 MIN_SAMPLES = 20
 
@@ -46,7 +47,7 @@ class StubProvider:
     wire: Wire = "openai"
     system: str = "stub"
     address: str | None = None
-    secrets: tuple[str, ...] = ()
+    scrub = Scrubber.GENERIC
     bulk_priority: int | None = None
     limits: StreamLimits = DEFAULT_LIMITS
     endpoints: frozenset[Endpoint] = field(default_factory=lambda: frozenset({"chat"}))

@@ -31,6 +31,7 @@ from gateway.providers.decode import (
     decode_anthropic_body,
     decode_openai_body,
 )
+from gateway.scrubbing import Scrubber
 from gateway.sse import SSEParser
 from tests.conftest import gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake, count_words
@@ -472,13 +473,16 @@ def test_decoders_read_cache_reads_and_writes() -> None:
     upstream = CachingUpstream()
     body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True}}
     expected = Usage(PROMPT, len(OUTPUT_TEXT), CACHED, WRITTEN)
-    assert decode_openai_body(upstream._openai_body(body)).usage == expected
-    assert decode_anthropic_body(upstream._anthropic_body(body)).usage == expected
-    decoder = AnthropicStreamDecoder()
+    assert decode_openai_body(upstream._openai_body(body), scrub=Scrubber.GENERIC).usage == expected
+    assert (
+        decode_anthropic_body(upstream._anthropic_body(body), scrub=Scrubber.GENERIC).usage
+        == expected
+    )
+    decoder = AnthropicStreamDecoder(scrub=Scrubber.GENERIC)
     chunks = [decoder.decode(event) for event in SSEParser().feed(upstream._anthropic_stream(body))]
     assert [chunk.usage for chunk in chunks if chunk.usage is not None] == [expected]
     reads_only = CachingUpstream(written=None)
-    assert decode_openai_body(reads_only._openai_body(body)).usage == Usage(
+    assert decode_openai_body(reads_only._openai_body(body), scrub=Scrubber.GENERIC).usage == Usage(
         FRESH + CACHED, len(OUTPUT_TEXT), CACHED, None
     )
 

@@ -12,6 +12,7 @@ from gateway.providers.decode import (
     decode_anthropic_body,
     decode_openai_body,
 )
+from gateway.scrubbing import Scrubber
 
 
 def test_bands_double_in_size() -> None:
@@ -54,16 +55,16 @@ def test_cached_tokens_are_read_from_both_wires() -> None:
             "prompt_tokens_details": {"cached_tokens": 768},
         },
     }
-    usage = decode_openai_body(orjson.dumps(openai)).usage
+    usage = decode_openai_body(orjson.dumps(openai), scrub=Scrubber.GENERIC).usage
     assert usage is not None and (usage.input_tokens, usage.cached_tokens) == (900, 768)
     anthropic = {
         "type": "message",
         "content": [{"type": "text", "text": "hi"}],
         "usage": {"input_tokens": 100, "cache_read_input_tokens": 800, "output_tokens": 5},
     }
-    usage = decode_anthropic_body(orjson.dumps(anthropic)).usage
+    usage = decode_anthropic_body(orjson.dumps(anthropic), scrub=Scrubber.GENERIC).usage
     assert usage is not None and (usage.input_tokens, usage.cached_tokens) == (900, 800)
-    decoder = AnthropicStreamDecoder()
+    decoder = AnthropicStreamDecoder(scrub=Scrubber.GENERIC)
     start = {"type": "message_start", "message": {"usage": anthropic["usage"]}}
     delta = {
         "type": "message_delta",

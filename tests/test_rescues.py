@@ -20,6 +20,7 @@ from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import StreamLimits, UpstreamStream
 from gateway.routing import Budget, Candidate, Guards, Ledger, Opened, Plan, open_first
 from gateway.routing.attempts import background_done
+from gateway.scrubbing import Scrubber
 from gateway.validate import parse_call
 
 LIMITS = StreamLimits(idle_s=60.0, max_precommit_events=1000, max_precommit_bytes=1 << 20)
@@ -55,7 +56,7 @@ class Upstream:
     opened: int = 0
     system: str = "openai"
     address: str | None = None
-    secrets: tuple[str, ...] = ()
+    scrub = Scrubber.GENERIC
     bulk_priority: int | None = None
     limits: StreamLimits = LIMITS
     wire: Wire = "openai"

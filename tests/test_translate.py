@@ -38,6 +38,7 @@ from gateway.providers.translate import (
     messages_request_to_openai,
     openai_response_to_anthropic,
 )
+from gateway.scrubbing import Scrubber
 from gateway.sse import SSEParser
 
 ANTHROPIC_EVENT: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
@@ -874,7 +875,9 @@ def test_vllm_reasoning_response_to_anthropic() -> None:
 
 def test_response_round_trip_through_decode() -> None:
     """A translated Anthropic response decodes as content with the same usage and finish."""
-    chunk = decode_anthropic_body(openai_response_to_anthropic(OPENAI_COMPLETION, model="m"))
+    chunk = decode_anthropic_body(
+        openai_response_to_anthropic(OPENAI_COMPLETION, model="m"), scrub=Scrubber.GENERIC
+    )
     assert (chunk.content, chunk.finish_reason, chunk.tokens) == (True, "tool_use", 46)
 
 
@@ -933,7 +936,7 @@ ANTHROPIC_TOOL_STREAM = (
 
 def anthropic_to_openai(stream: bytes, *, include_usage: bool) -> bytes:
     translator = AnthropicToOpenAIStream(model="chat-large", include_usage=include_usage)
-    return translate(stream, AnthropicStreamDecoder(), translator)
+    return translate(stream, AnthropicStreamDecoder(scrub=Scrubber.GENERIC), translator)
 
 
 def test_anthropic_stream_to_openai_sdk() -> None:
@@ -989,7 +992,7 @@ def test_anthropic_stream_to_openai_without_usage() -> None:
 def test_anthropic_ping_and_block_stop_send_nothing() -> None:
     """Pings and content_block_stop produce no bytes."""
     translator = AnthropicToOpenAIStream(model="m", include_usage=False)
-    decoder = AnthropicStreamDecoder()
+    decoder = AnthropicStreamDecoder(scrub=Scrubber.GENERIC)
     events = SSEParser().feed(
         b'event: ping\ndata: {"type": "ping"}\n\n'
         b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
@@ -1081,7 +1084,11 @@ VLLM_STREAM = b"".join(
 
 
 def openai_to_anthropic(stream: bytes) -> bytes:
-    return translate(stream, OpenAIStreamDecoder(), OpenAIToAnthropicStream(model="claude-proxy"))
+    return translate(
+        stream,
+        OpenAIStreamDecoder(scrub=Scrubber.GENERIC),
+        OpenAIToAnthropicStream(model="claude-proxy"),
+    )
 
 
 def test_openai_stream_to_anthropic_sdk() -> None:
@@ -1226,7 +1233,9 @@ PASSTHROUGH_STREAM = (
 def test_passthrough_forwards_everything_when_usage_asked() -> None:
     """With include_usage the upstream stream is forwarded byte for byte."""
     out = translate(
-        PASSTHROUGH_STREAM, OpenAIStreamDecoder(), OpenAIPassthrough(include_usage=True)
+        PASSTHROUGH_STREAM,
+        OpenAIStreamDecoder(scrub=Scrubber.GENERIC),
+        OpenAIPassthrough(include_usage=True),
     )
     assert out == PASSTHROUGH_STREAM
 
@@ -1234,7 +1243,9 @@ def test_passthrough_forwards_everything_when_usage_asked() -> None:
 def test_passthrough_drops_usage_chunk_when_not_asked() -> None:
     """Without include_usage only the usage-only chunk is dropped."""
     out = translate(
-        PASSTHROUGH_STREAM, OpenAIStreamDecoder(), OpenAIPassthrough(include_usage=False)
+        PASSTHROUGH_STREAM,
+        OpenAIStreamDecoder(scrub=Scrubber.GENERIC),
+        OpenAIPassthrough(include_usage=False),
     )
     assert out == PASSTHROUGH_STREAM.replace(USAGE_CHUNK, b"")
 

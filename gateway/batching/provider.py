@@ -32,6 +32,7 @@ from gateway.errors import OverloadedError, ProviderError, ProviderRejectedError
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.numbers import count as token_count
 from gateway.providers.base import Provider, UpstreamStream, decode_body
+from gateway.scrubbing import Scrubber
 
 BATCHED_ENDPOINTS: tuple[Endpoint, ...] = ("embeddings", "completions")
 _PARTS = {"embeddings": "input", "completions": "prompt"}
@@ -79,7 +80,7 @@ class BatchingProvider:
         self.wire: Wire = inner.wire
         self.system = inner.system
         self.address = inner.address
-        self.secrets = inner.secrets
+        self.scrub = inner.scrub
         self.bulk_priority = inner.bulk_priority
         self.limits = inner.limits
         self._observer = observer
@@ -113,7 +114,7 @@ class BatchingProvider:
         except OverloadedError:
             self.rejected += 1
             raise
-        return _Answered(self.wire, answer)
+        return _Answered(self.wire, answer, self.scrub)
 
     def _new_queue(
         self, key: tuple[str, bytes], request: UpstreamRequest
@@ -208,7 +209,7 @@ class BatchingProvider:
         chunk = chunks[0] if chunks else None
         data = chunk.data if chunk is not None else None
         if chunk is not None and chunk.error is not None:
-            raise inband_error(self.deployment, chunk.error, self.inner.secrets)
+            raise inband_error(self.deployment, chunk.error)
         if not isinstance(data, dict):
             raise ProviderError(
                 "the batched response was not a JSON object",
@@ -234,14 +235,15 @@ class _Answered:
     streaming = False
     status = 200
 
-    def __init__(self, wire: Wire, answer: _Answer) -> None:
+    def __init__(self, wire: Wire, answer: _Answer, scrub: Scrubber) -> None:
         self._wire = wire
+        self._scrub = scrub
         self._body: bytes | None = answer.body
         self.upstream_request_id = answer.upstream_request_id
 
     async def read(self) -> list[Chunk] | None:
         body, self._body = self._body, None
-        return None if body is None else [decode_body(self._wire, body)]
+        return None if body is None else [decode_body(self._wire, body, scrub=self._scrub)]
 
     async def aclose(self) -> None:
         self._body = None

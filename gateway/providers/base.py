@@ -4,6 +4,10 @@ An adapter translates every foreign failure (transport errors, error statuses, e
 the `ProviderError` family at the edge that sees it; an error status goes through the one table
 in `gateway.errors` (`upstream_error`). `ChunkStream` is shared by every adapter: it frames bytes
 into SSE events, classifies them with a wire decoder, and owns the upstream until its `aclose()`.
+
+Every string an upstream wrote leaves this seam scrubbed by its provider's `Scrubber`: error
+bodies (`status_error`), in-band errors (made by the decoders), the text of a garbled stream, and
+the upstream's request id. Content is relayed as it came and never parsed for it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.config import ProviderSpec
-from gateway.errors import ProviderError, scrub, upstream_error
+from gateway.errors import ProviderError, upstream_error
 from gateway.models import Chunk, Endpoint, SSEEvent, UpstreamRequest, Wire
 from gateway.providers.decode import (
     AnthropicStreamDecoder,
@@ -25,6 +29,7 @@ from gateway.providers.decode import (
     openai_error,
 )
 from gateway.providers.decode_responses import ResponsesStreamDecoder, decode_responses_body
+from gateway.scrubbing import Scrubber
 from gateway.sse import SSEFramingError, SSEParser
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -72,7 +77,7 @@ class Provider(Protocol):
     wire: Wire
     system: str  # gen_ai.provider.name
     address: str | None  # server.address (None for in-process)
-    secrets: tuple[str, ...]
+    scrub: Scrubber  # its own secrets and the generic patterns: every upstream string passes it
     bulk_priority: int | None  # vLLM request `priority` for bulk requests, if configured
     limits: StreamLimits  # enforced by whoever reads its streams
 
@@ -90,16 +95,22 @@ class Decoder(Protocol):
     def decode(self, event: SSEEvent) -> Chunk: ...
 
 
-def stream_decoder(wire: Wire, *, lazy: bool = False, responses: bool = False) -> Decoder:
+def stream_decoder(
+    wire: Wire, *, scrub: Scrubber, lazy: bool = False, responses: bool = False
+) -> Decoder:
     if responses:
-        return ResponsesStreamDecoder()
-    return AnthropicStreamDecoder() if wire == "anthropic" else OpenAIStreamDecoder(lazy=lazy)
+        return ResponsesStreamDecoder(scrub=scrub)
+    if wire == "anthropic":
+        return AnthropicStreamDecoder(scrub=scrub)
+    return OpenAIStreamDecoder(scrub=scrub, lazy=lazy)
 
 
-def decode_body(wire: Wire, body: bytes, *, responses: bool = False) -> Chunk:
+def decode_body(wire: Wire, body: bytes, *, scrub: Scrubber, responses: bool = False) -> Chunk:
     if responses:
-        return decode_responses_body(body)
-    return decode_anthropic_body(body) if wire == "anthropic" else decode_openai_body(body)
+        return decode_responses_body(body, scrub=scrub)
+    if wire == "anthropic":
+        return decode_anthropic_body(body, scrub=scrub)
+    return decode_openai_body(body, scrub=scrub)
 
 
 ReadBytes = Callable[[], Awaitable[bytes]]
@@ -120,6 +131,7 @@ class ChunkStream:
         "_parser",
         "_read",
         "_responses",
+        "_scrub",
         "_translate",
         "_wire",
         "status",
@@ -136,6 +148,7 @@ class ChunkStream:
         read: ReadBytes,
         close: Callable[[], Awaitable[None]],
         translate: TranslateError,
+        scrub: Scrubber,
         status: int = 200,
         upstream_request_id: str | None = None,
         lazy: bool = False,
@@ -150,10 +163,12 @@ class ChunkStream:
         self._closed = False
         self._body_read = False
         self._parser = SSEParser()
-        self._decoder = stream_decoder(wire, lazy=lazy, responses=responses)
+        self._decoder = stream_decoder(wire, scrub=scrub, lazy=lazy, responses=responses)
         self._responses = responses
+        self._scrub = scrub
         self.status = status
-        self.upstream_request_id = upstream_request_id
+        # Repeated to the client as a header: whole, or not at all when it holds a secret.
+        self.upstream_request_id = scrub.clean_or_none(upstream_request_id)
 
     async def read(self) -> list[Chunk] | None:
         if not self.streaming:
@@ -175,7 +190,7 @@ class ChunkStream:
                     return [decode(event) for event in events]
             except (SSEFramingError, UpstreamProtocolError) as exc:
                 raise ProviderError(
-                    f"invalid stream from upstream: {scrub(str(exc))}",
+                    f"invalid stream from upstream: {self._scrub.bounded(str(exc), 300)}",
                     deployment=self._deployment,
                     kind="invalid_response",
                 ) from None
@@ -197,10 +212,10 @@ class ChunkStream:
             parts.append(data)
         body = b"".join(parts)
         try:
-            return [decode_body(self._wire, body, responses=self._responses)]
+            return [decode_body(self._wire, body, scrub=self._scrub, responses=self._responses)]
         except UpstreamProtocolError as exc:
             raise ProviderError(
-                f"invalid response from upstream: {scrub(str(exc))}",
+                f"invalid response from upstream: {self._scrub.bounded(str(exc), 300)}",
                 deployment=self._deployment,
                 kind="invalid_response",
             ) from None
@@ -231,25 +246,26 @@ def status_error(
     status: int,
     headers: Mapping[str, str],
     body: bytes,
-    secrets: tuple[str, ...] = (),
+    scrub: Scrubber,
 ) -> ProviderError:
-    """Map an upstream error response to the gateway's error vocabulary (`upstream_error`)."""
-    parsed = anthropic_error(body) if wire == "anthropic" else openai_error(body)
-    if parsed is None and wire == "openai":
-        parsed = anthropic_error(body)
-    detail = scrub(parsed.message, secrets)[:500] if parsed else _snippet(body, secrets)
+    """Map an upstream error response to the gateway's error vocabulary (`upstream_error`);
+    every string taken from it is scrubbed (by the decoders, or here for a snippet)."""
+    if wire == "anthropic":
+        parsed = anthropic_error(body, scrub=scrub)
+    else:
+        parsed = openai_error(body, scrub=scrub) or anthropic_error(body, scrub=scrub)
     return upstream_error(
         deployment=deployment,
         status=status,
-        detail=detail,
+        detail=parsed.message[:500] if parsed else _snippet(body, scrub),
         headers=headers,
-        param=scrub(parsed.param, secrets) if parsed and parsed.param else None,
+        param=parsed.param if parsed else None,
         upstream_code=parsed.code if parsed else None,
     )
 
 
-def _snippet(body: bytes, secrets: tuple[str, ...]) -> str:
-    text = body[:300].decode("utf-8", "replace").strip()
+def _snippet(body: bytes, scrub: Scrubber) -> str:
+    text = body[: 300 + scrub.margin].decode("utf-8", "replace").strip()
     if text.lower().startswith(("<!doctype", "<html")):
         return "an HTML page instead of an API response"
-    return scrub(" ".join(text.split()), secrets) or "no error body"
+    return scrub.bounded(" ".join(text.split()), 300) or "no error body"

@@ -246,7 +246,7 @@ def _http_counter(
                 status=status,
                 headers=reply_headers,
                 body=answer[:MAX_ERROR_BYTES],
-                secrets=provider.secrets,
+                scrub=provider.scrub,
             )
         try:
             data = orjson.loads(answer)

@@ -4,6 +4,10 @@ This is the hot path of every stream, so each event is parsed once with orjson a
 inspected: the `Chunk` carries the parsed dict along, and translators reuse it instead of parsing
 again. Anything that is not a valid response in the upstream's wire format raises
 `UpstreamProtocolError`; errors the upstream reports in a well-formed body become `InBandError`.
+
+Every decoder takes its provider's `Scrubber`, and every `InBandError` is made by `in_band`,
+which passes each of its strings through it: an upstream's error text is scrubbed once, here,
+before any path (the client's error, a log line, a span, the access log) can see it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import orjson
 
 from gateway.models import Chunk, InBandError, SSEEvent, Usage
 from gateway.numbers import MAX_TOKENS, count
+from gateway.scrubbing import MARGIN_CHARS, Scrubber
 
 _DONE: Final = b"[DONE]"
 _SNIPPET_BYTES: Final = 200
@@ -40,8 +45,10 @@ class UpstreamProtocolError(ValueError):
 
 
 def _snippet(data: bytes) -> str:
-    text = data[:_SNIPPET_BYTES].decode("utf-8", "replace")
-    return text + "..." if len(data) > _SNIPPET_BYTES else text
+    """The start of `data` for a message; the reader scrubs and cuts it (`Scrubber.bounded`),
+    so it keeps a margin past the snippet's length: a secret across the cut is masked whole."""
+    text = data[: _SNIPPET_BYTES + MARGIN_CHARS].decode("utf-8", "replace")
+    return text + "..." if len(data) > _SNIPPET_BYTES + MARGIN_CHARS else text
 
 
 def parse_object(data: bytes, what: str) -> dict[str, Any]:
@@ -58,7 +65,8 @@ def parse_object(data: bytes, what: str) -> dict[str, Any]:
     return parsed
 
 
-MAX_PARAM_CHARS = 128  # an upstream's `param` longer than this is cut
+MAX_PARAM_CHARS = 128  # an upstream's `param`, `type` or `code` longer than this is cut
+MAX_MESSAGE_CHARS = 1000  # an upstream's error message longer than this is cut
 
 
 def _int(value: object) -> int | None:
@@ -93,7 +101,28 @@ def _openai_usage(usage: object) -> Usage:
     )
 
 
-def _error_from_fields(fields: dict[str, Any], default_message: str) -> InBandError:
+def in_band(
+    scrub: Scrubber,
+    message: str,
+    type: str = "server_error",
+    code: str | None = None,
+    status: int | None = None,
+    param: str | None = None,
+) -> InBandError:
+    """The one way an upstream's error becomes an `InBandError`: every string scrubbed, and
+    bounded (an error event may be megabytes long; the client is shown a few hundred chars)."""
+    return InBandError(
+        message=scrub.bounded(message, MAX_MESSAGE_CHARS),
+        type=scrub.bounded(type, MAX_PARAM_CHARS),
+        code=scrub.optional(code, MAX_PARAM_CHARS),
+        status=status,
+        param=scrub.optional(param, MAX_PARAM_CHARS),
+    )
+
+
+def _error_from_fields(
+    fields: dict[str, Any], default_message: str, scrub: Scrubber
+) -> InBandError:
     """OpenAI `{"message", "type", "code"}`, vLLM's int `code` (the HTTP status) included."""
     code = fields.get("code")
     status = _int(fields.get("status"))
@@ -103,29 +132,31 @@ def _error_from_fields(fields: dict[str, Any], default_message: str) -> InBandEr
         code = None
     message = fields.get("message")
     param = fields.get("param")
-    return InBandError(
+    return in_band(
+        scrub,
         message=_str(message) or default_message,
         type=_str(fields.get("type")) or "server_error",
         code=_str(code),
         status=status,
-        param=param[:MAX_PARAM_CHARS] if isinstance(param, str) and param else None,
+        param=param if isinstance(param, str) and param else None,
     )
 
 
-def _openai_error_object(obj: dict[str, Any]) -> InBandError | None:
+def _openai_error_object(obj: dict[str, Any], scrub: Scrubber) -> InBandError | None:
     """Error shapes that may also arrive with a 200: `{"error": ...}` and old vLLM's flat one."""
     error = obj.get("error")
     if error is not None:
         if isinstance(error, dict):
-            return _error_from_fields(error, "upstream error")
+            return _error_from_fields(error, "upstream error", scrub)
         # Some servers (TGI, llama.cpp, vLLM's auth check) send `{"error": "text"}`.
-        return InBandError(
+        return in_band(
+            scrub,
             message=_str(error) or "upstream error",
             type=_str(obj.get("error_type")) or "server_error",
             status=_int(obj.get("status")),
         )
     if obj.get("object") == "error":
-        return _error_from_fields(obj, "upstream error")
+        return _error_from_fields(obj, "upstream error", scrub)
     return None
 
 
@@ -167,10 +198,11 @@ class OpenAIStreamDecoder:
     bytes without being parsed, and comes with `data=None`; every other event is parsed.
     """
 
-    __slots__ = ("_lazy",)
+    __slots__ = ("_lazy", "_scrub")
 
-    def __init__(self, *, lazy: bool = False) -> None:
+    def __init__(self, *, scrub: Scrubber, lazy: bool = False) -> None:
         self._lazy = lazy
+        self._scrub = scrub
 
     def decode(self, event: SSEEvent) -> Chunk:
         """One chunk per event; raises UpstreamProtocolError for data that is not a JSON object."""
@@ -183,7 +215,7 @@ class OpenAIStreamDecoder:
             return Chunk(raw=event.raw, content=True, tokens=1)
         obj = parse_object(data, "stream event")
         try:
-            return _openai_stream_chunk(event, obj)
+            return _openai_stream_chunk(event, obj, self._scrub)
         except (AttributeError, KeyError, TypeError):
             raise UpstreamProtocolError(f"malformed stream event: {_snippet(data)!r}") from None
 
@@ -211,10 +243,10 @@ def _plain_content(data: bytes) -> bool:
     return _NEEDS_PARSING.search(data) is None
 
 
-def _openai_stream_chunk(event: SSEEvent, obj: dict[str, Any]) -> Chunk:
-    error = _openai_error_object(obj)
+def _openai_stream_chunk(event: SSEEvent, obj: dict[str, Any], scrub: Scrubber) -> Chunk:
+    error = _openai_error_object(obj, scrub)
     if error is None and event.event == "error":  # openai-python treats this event as an error
-        error = _error_from_fields(obj, "upstream error")
+        error = _error_from_fields(obj, "upstream error", scrub)
     if error is not None:
         return Chunk(raw=event.raw, data=obj, error=error)
     tokens = 0
@@ -241,7 +273,7 @@ def _openai_stream_chunk(event: SSEEvent, obj: dict[str, Any]) -> Chunk:
     )
 
 
-def decode_openai_body(body: bytes) -> Chunk:
+def decode_openai_body(body: bytes, *, scrub: Scrubber) -> Chunk:
     """Classify a non-streaming chat, completions or embeddings response.
 
     Raises UpstreamProtocolError for a body that is not JSON (an HTML page from a load balancer)
@@ -249,7 +281,7 @@ def decode_openai_body(body: bytes) -> Chunk:
     """
     obj = parse_object(body, "response body")
     try:
-        error = _openai_error_object(obj)
+        error = _openai_error_object(obj, scrub)
         if error is not None:
             return Chunk(raw=body, data=obj, error=error)
         usage_fields = obj.get("usage")
@@ -284,7 +316,7 @@ def decode_openai_body(body: bytes) -> Chunk:
     raise UpstreamProtocolError(f"not an OpenAI response: {_snippet(body)!r}")
 
 
-def openai_error(body: bytes) -> InBandError | None:
+def openai_error(body: bytes, *, scrub: Scrubber) -> InBandError | None:
     """Parse an error body in any shape an OpenAI-compatible server sends; None if it is not one.
 
     Shapes: OpenAI `{"error": {...}}`, new vLLM (same, with the HTTP status as int `code`), old
@@ -295,21 +327,19 @@ def openai_error(body: bytes) -> InBandError | None:
         obj = orjson.loads(body)
         if not isinstance(obj, dict):
             return None
-        error = _openai_error_object(obj)
+        error = _openai_error_object(obj, scrub)
         if error is not None:
             return error
         detail = obj.get("detail")
         if isinstance(detail, str):
-            return InBandError(message=detail, type="invalid_request_error")
+            return in_band(scrub, message=detail, type="invalid_request_error")
         if isinstance(detail, list) and detail:  # FastAPI validation errors
             first = detail[0]
             text = first.get("msg") if isinstance(first, dict) else None
-            return InBandError(
-                message=_str(text) or str(detail)[:500], type="invalid_request_error"
-            )
+            return in_band(scrub, message=_str(text) or str(detail), type="invalid_request_error")
         message = obj.get("message")
         if isinstance(message, str) and "choices" not in obj:
-            return _error_from_fields(obj, message)
+            return _error_from_fields(obj, message, scrub)
     except (ValueError, AttributeError, LookupError, TypeError):  # JSONDecodeError included
         return None
     return None
@@ -318,9 +348,10 @@ def openai_error(body: bytes) -> InBandError | None:
 # --- Anthropic -----------------------------------------------------------------------------------
 
 
-def _anthropic_error_fields(error: dict[str, Any]) -> InBandError:
+def _anthropic_error_fields(error: dict[str, Any], scrub: Scrubber) -> InBandError:
     kind = _str(error.get("type")) or "api_error"
-    return InBandError(
+    return in_band(
+        scrub,
         message=_str(error.get("message")) or kind,
         type=kind,
         status=ANTHROPIC_ERROR_STATUS.get(kind),
@@ -355,9 +386,10 @@ class AnthropicStreamDecoder:
     and writes (what `prompt_tokens` means on the OpenAI wire).
     """
 
-    __slots__ = ("_cache_write_tokens", "_cached_tokens", "_input_tokens")
+    __slots__ = ("_cache_write_tokens", "_cached_tokens", "_input_tokens", "_scrub")
 
-    def __init__(self) -> None:
+    def __init__(self, *, scrub: Scrubber) -> None:
+        self._scrub = scrub
         self._input_tokens: int | None = None
         self._cached_tokens: int | None = None
         self._cache_write_tokens: int | None = None
@@ -368,6 +400,12 @@ class AnthropicStreamDecoder:
         if not data or event.event == "ping":
             return Chunk(raw=event.raw)
         obj = parse_object(data, "stream event")
+        if event.event == "error":  # an error event, whatever type its data claims
+            error = obj.get("error")
+            fields = error if isinstance(error, dict) else obj
+            return Chunk(
+                raw=event.raw, data=obj, error=_anthropic_error_fields(fields, self._scrub)
+            )
         try:
             return self._classify(event.raw, obj)
         except (AttributeError, KeyError, TypeError):
@@ -414,7 +452,7 @@ class AnthropicStreamDecoder:
         if kind == "error":
             error = obj.get("error")
             fields = error if isinstance(error, dict) else {"message": _str(error)}
-            return Chunk(raw=raw, data=obj, error=_anthropic_error_fields(fields))
+            return Chunk(raw=raw, data=obj, error=_anthropic_error_fields(fields, self._scrub))
         return Chunk(raw=raw, data=obj)  # content_block_start/stop, ping, unknown future events
 
     def _remember(self, usage: dict[str, Any]) -> None:
@@ -423,7 +461,7 @@ class AnthropicStreamDecoder:
         self._cache_write_tokens = anthropic_cache_write_tokens(usage)
 
 
-def decode_anthropic_body(body: bytes) -> Chunk:
+def decode_anthropic_body(body: bytes, *, scrub: Scrubber) -> Chunk:
     """Classify a non-streaming Messages response.
 
     Raises UpstreamProtocolError for a body that is not JSON or not a message or error object.
@@ -434,7 +472,7 @@ def decode_anthropic_body(body: bytes) -> Chunk:
         if kind == "error":
             error = obj.get("error")
             fields = error if isinstance(error, dict) else {"message": _str(error)}
-            return Chunk(raw=body, data=obj, error=_anthropic_error_fields(fields))
+            return Chunk(raw=body, data=obj, error=_anthropic_error_fields(fields, scrub))
         if kind == "message":
             with_content = 0
             for block in obj.get("content") or ():
@@ -468,7 +506,7 @@ def decode_anthropic_body(body: bytes) -> Chunk:
     raise UpstreamProtocolError(f"not an Anthropic response: {_snippet(body)!r}")
 
 
-def anthropic_error(body: bytes) -> InBandError | None:
+def anthropic_error(body: bytes, *, scrub: Scrubber) -> InBandError | None:
     """Parse `{"type": "error", "error": {"type", "message"}}`; None if not one. Never raises."""
     try:
         obj = orjson.loads(body)
@@ -476,7 +514,7 @@ def anthropic_error(body: bytes) -> InBandError | None:
             return None
         error = obj.get("error")
         if isinstance(error, dict) and (obj.get("type") == "error" or "type" in error):
-            return _anthropic_error_fields(error)
+            return _anthropic_error_fields(error, scrub)
     except (ValueError, AttributeError, LookupError, TypeError):  # JSONDecodeError included
         return None
     return None

@@ -11,7 +11,8 @@ from typing import Any, Final
 
 from gateway.models import Chunk, InBandError, SSEEvent, Usage
 from gateway.numbers import count
-from gateway.providers.decode import UpstreamProtocolError, parse_object
+from gateway.providers.decode import UpstreamProtocolError, in_band, parse_object
+from gateway.scrubbing import Scrubber
 
 _CONTENT: Final = frozenset(
     {
@@ -25,6 +26,7 @@ _CONTENT: Final = frozenset(
 )
 _CONTENT_ITEMS: Final = frozenset({"function_call", "web_search_call", "file_search_call"})
 _DONE: Final = frozenset({"response.completed", "response.incomplete"})
+_ERRORS: Final = frozenset({"error", "response.failed"})
 
 
 def _usage(usage: object) -> Usage | None:
@@ -35,11 +37,12 @@ def _usage(usage: object) -> Usage | None:
     return Usage(count(usage.get("input_tokens")), count(usage.get("output_tokens")), cached)
 
 
-def _error(fields: object, default: str) -> InBandError:
+def _error(fields: object, default: str, scrub: Scrubber) -> InBandError:
     fields = fields if isinstance(fields, dict) else {}
     message = fields.get("message")
     code = fields.get("code")
-    return InBandError(
+    return in_band(
+        scrub,
         message=message if isinstance(message, str) and message else default,
         type="server_error",
         code=code if isinstance(code, str) else None,
@@ -47,13 +50,19 @@ def _error(fields: object, default: str) -> InBandError:
 
 
 class ResponsesStreamDecoder:
-    __slots__ = ()
+    __slots__ = ("_scrub",)
+
+    def __init__(self, *, scrub: Scrubber) -> None:
+        self._scrub = scrub
 
     def decode(self, event: SSEEvent) -> Chunk:
         if not event.data:
             return Chunk(raw=event.raw)  # a keep-alive comment
         data = parse_object(event.data, "stream event")
-        kind = data.get("type") or event.event
+        # An `error` or `response.failed` event is one whatever type its data claims: else it
+        # would be relayed byte for byte, with whatever text the upstream put in it.
+        named = event.event
+        kind = named if named in _ERRORS else data.get("type") or named
         if kind in _CONTENT:
             return Chunk(raw=event.raw, data=data, content=bool(data.get("delta")), tokens=1)
         if kind == "response.output_item.added":
@@ -63,28 +72,37 @@ class ResponsesStreamDecoder:
             return Chunk(raw=event.raw, data=data, content=content)
         if kind in _DONE:
             response = data.get("response")
+            if isinstance(response, dict) and isinstance(response.get("error"), dict):
+                # A finished Response names no error: one that does failed, and its text
+                # would otherwise be relayed and stored as it came.
+                failed = _error(response["error"], "the response failed", self._scrub)
+                return Chunk(raw=event.raw, data=data, error=failed)
             usage = _usage(response.get("usage")) if isinstance(response, dict) else None
             reason = "stop" if kind == "response.completed" else "length"
             return Chunk(raw=event.raw, data=data, usage=usage, finish_reason=reason, done=True)
         if kind == "response.failed":
             response = data.get("response")
             error = response.get("error") if isinstance(response, dict) else None
-            return Chunk(raw=event.raw, data=data, error=_error(error, "the response failed"))
+            return Chunk(
+                raw=event.raw, data=data, error=_error(error, "the response failed", self._scrub)
+            )
         if kind == "error":
-            return Chunk(raw=event.raw, data=data, error=_error(data, "upstream error"))
+            return Chunk(
+                raw=event.raw, data=data, error=_error(data, "upstream error", self._scrub)
+            )
         return Chunk(raw=event.raw, data=data)
 
 
-def decode_responses_body(body: bytes) -> Chunk:
+def decode_responses_body(body: bytes, *, scrub: Scrubber) -> Chunk:
     """A non-streaming Response object (or an error body)."""
     obj: dict[str, Any] = parse_object(body, "response body")
     error = obj.get("error")
     if isinstance(error, dict) and obj.get("object") != "response":
-        return Chunk(raw=body, data=obj, error=_error(error, "upstream error"))
+        return Chunk(raw=body, data=obj, error=_error(error, "upstream error", scrub))
     if obj.get("object") != "response":
         raise UpstreamProtocolError("the response body is not a Response object")
-    if obj.get("status") == "failed":
-        return Chunk(raw=body, data=obj, error=_error(error, "the response failed"))
+    if obj.get("status") == "failed" or isinstance(error, dict):
+        return Chunk(raw=body, data=obj, error=_error(error, "the response failed", scrub))
     output = obj.get("output")
     usage = _usage(obj.get("usage"))
     known = usage.output_tokens if usage is not None else None

@@ -15,10 +15,11 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gateway.config import ProviderSpec
-from gateway.errors import ProviderError, ProviderTimeoutError, inband_error, scrub
+from gateway.errors import ProviderError, ProviderTimeoutError, inband_error
 from gateway.models import Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, StreamLimits, status_error
 from gateway.providers.decode import anthropic_error, openai_error
+from gateway.scrubbing import Scrubber
 
 _OPENAI_PATHS: Final[dict[Endpoint, str]] = {
     "chat": "/chat/completions",
@@ -157,9 +158,8 @@ class HTTPProvider:
         }
         # What a non-streaming request sends: also the token counters' headers (see count.py).
         self.body_headers = headers | {"accept": "application/json"}
-        self.secrets = tuple(v.get_secret_value() for v in spec.headers.values()) + (
-            (key,) if key else ()
-        )
+        secrets = [v.get_secret_value() for v in spec.headers.values()]
+        self.scrub = Scrubber.of([*secrets, key] if key else secrets)
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in self._urls
@@ -185,9 +185,12 @@ class HTTPProvider:
             finally:
                 response.close()
             if response.status < 300:  # asked for a stream, got a body: an in-band error?
-                found = openai_error(body) if self.wire == "openai" else anthropic_error(body)
+                if self.wire == "openai":
+                    found = openai_error(body, scrub=self.scrub)
+                else:
+                    found = anthropic_error(body, scrub=self.scrub)
                 if found is not None:
-                    raise inband_error(deployment, found, self.secrets)
+                    raise inband_error(deployment, found)
                 raise ProviderError(
                     "upstream answered a streaming request without a stream",
                     deployment=deployment,
@@ -199,7 +202,7 @@ class HTTPProvider:
                 status=response.status,
                 headers=response.headers,
                 body=body,
-                secrets=self.secrets,
+                scrub=self.scrub,
             )
         reader = _Body(response)
         return ChunkStream(
@@ -209,6 +212,7 @@ class HTTPProvider:
             read=reader.read_stream if request.stream else reader.read,
             close=reader.close,
             translate=lambda exc: self._error(deployment, exc),
+            scrub=self.scrub,
             status=response.status,
             lazy=request.passthrough,
             responses=request.endpoint == "responses",
@@ -217,7 +221,5 @@ class HTTPProvider:
         )
 
     def _error(self, deployment: str, exc: BaseException) -> ProviderError | None:
-        error = translate_client_error(deployment, exc)
-        if error is not None and self.secrets:
-            error.message = scrub(error.message, self.secrets)
-        return error
+        # Its message names only the exception's type: nothing the upstream wrote.
+        return translate_client_error(deployment, exc)

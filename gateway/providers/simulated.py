@@ -12,6 +12,7 @@ from gateway.config import ProviderSpec
 from gateway.errors import ProviderError
 from gateway.models import Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import ChunkStream, StreamLimits, status_error
+from gateway.scrubbing import Scrubber
 from gateway.sim.engine import SimEngine
 from gateway.sim.wire import SimConnectionReset
 
@@ -28,7 +29,7 @@ class SimulatedProvider:
     wire: Wire = "openai"
     system = "simulated"
     address: str | None = None
-    secrets: tuple[str, ...] = ()
+    scrub = Scrubber.GENERIC
     bulk_priority: int | None = None
 
     def __init__(self, name: str, spec: ProviderSpec) -> None:
@@ -55,6 +56,7 @@ class SimulatedProvider:
                 status=reply.status,
                 headers=reply.headers,
                 body=reply.body or b"",
+                scrub=self.scrub,
             )
         if reply.stream is not None:
             stream = reply.stream
@@ -87,6 +89,7 @@ class SimulatedProvider:
             read=read,
             close=close,
             translate=translate,
+            scrub=self.scrub,
             status=reply.status,
             lazy=request.passthrough,
         )

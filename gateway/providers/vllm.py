@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import numbers
 from gateway.config import ProviderSpec
-from gateway.errors import scrub
 from gateway.providers.vllm_spec import SpecCounters, SpecRates, ratio, spec_rates
+from gateway.scrubbing import Scrubber
 
 __all__ = [
     "Histogram",
@@ -399,7 +399,7 @@ def _first(value: float | None, otherwise: float | None) -> float | None:
 
 
 async def scrape_forever(
-    state: ServerState, session: aiohttp.ClientSession, secrets: tuple[str, ...] = ()
+    state: ServerState, session: aiohttp.ClientSession, scrub: Scrubber = Scrubber.GENERIC
 ) -> None:
     """Refresh `state` every interval until cancelled; errors mark the server unknown."""
     timeout = aiohttp.ClientTimeout(total=max(0.5, state.interval_s))
@@ -415,7 +415,7 @@ async def scrape_forever(
             raise
         except Exception as exc:
             state.failures += 1
-            state.last_error = scrub(f"{type(exc).__name__}: {exc}", secrets)[:200]
+            state.last_error = scrub.bounded(f"{type(exc).__name__}: {exc}", 200)
             if state.failures == 1:
                 logger.warning("vLLM metrics unavailable at %s: %s", state.url, state.last_error)
         else:
@@ -452,17 +452,15 @@ class Scraper:
             await session.close()
 
     def watch(
-        self, name: str, spec: ProviderSpec, secrets: tuple[str, ...], stack: AsyncExitStack
+        self, name: str, spec: ProviderSpec, scrub: Scrubber, stack: AsyncExitStack
     ) -> ServerState:
         """Start reading the metrics of provider `name` (type vllm) in the background; the
-        reader stops when `stack` closes. `secrets` are scrubbed from the errors it keeps."""
+        reader stops when `stack` closes. `scrub` (the provider's) cleans the errors it keeps."""
         if self._session is None:
             raise RuntimeError("the scraper is not open")
         assert spec.base_url is not None  # checked by the config
         state = ServerState(spec.metrics_url or metrics_url(spec.base_url), spec.metrics_interval_s)
-        task = asyncio.create_task(
-            scrape_forever(state, self._session, secrets), name=f"vllm-{name}"
-        )
+        task = asyncio.create_task(scrape_forever(state, self._session, scrub), name=f"vllm-{name}")
         stack.push_async_callback(_stop, task)
         return state
 

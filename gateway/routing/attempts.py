@@ -437,7 +437,7 @@ async def _until_first_token(
         now = time.perf_counter()
         for index, chunk in enumerate(batch):
             if chunk.error is not None:
-                raise inband_error(candidate.id, chunk.error, candidate.provider.secrets)
+                raise inband_error(candidate.id, chunk.error)
             tally.add(chunk, now)
             head.append(translate(chunk))
             if chunk.content or chunk.done or not stream.streaming:

@@ -32,6 +32,7 @@ from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import StreamLimits, UpstreamStream
 from gateway.routing import Budget, Candidate, Ledger, Plan, open_first
 from gateway.routing.guards import Guards
+from gateway.scrubbing import Scrubber
 from gateway.validate import parse_call
 from tests.conftest import run_gateway
 from tests.faults.conftest import chat, routed, settled
@@ -156,7 +157,7 @@ class ScriptedProvider:
 
     system = "openai"
     address: str | None = None
-    secrets: tuple[str, ...] = ()
+    scrub = Scrubber.GENERIC
     bulk_priority: int | None = None
     limits = StreamLimits(idle_s=60.0, max_precommit_events=1000, max_precommit_bytes=1 << 20)
 
