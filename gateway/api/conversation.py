@@ -31,9 +31,16 @@ def owner_of(principal: Principal | None) -> str:
 async def continue_conversation(store: ResponseStore, call: Call, owner: str) -> Call:
     """The call with its `previous_response_id` expanded: the stored conversation, the previous
     response's output, then this request's input, as one `input`."""
+    return (await expand_conversation(store, call, owner))[0]
+
+
+async def expand_conversation(store: ResponseStore, call: Call, owner: str) -> tuple[Call, int]:
+    """`continue_conversation`, and the tokens of the conversation so far as its upstream
+    billed them (the stored turn's input and output tokens; 0 when it did not say). Raises
+    InvalidRequestError when the previous response is not found for `owner`."""
     previous = call.body.get("previous_response_id")
     if not previous:
-        return call
+        return call, 0
     stored = await store.get(previous, owner)
     if stored is None:
         raise InvalidRequestError(
@@ -42,10 +49,24 @@ async def continue_conversation(store: ResponseStore, call: Call, owner: str) ->
             code="previous_response_not_found",
         )
     history: list[Any] = orjson.loads(stored.items)
-    history += output_items_as_input(orjson.loads(stored.response))
+    response = orjson.loads(stored.response)
+    history += output_items_as_input(response)
     history += input_items(call.body)
     body = {**call.body, "input": history}
-    return replace(call, body=body, raw=orjson.dumps(body))
+    return replace(call, body=body, raw=orjson.dumps(body)), _billed(response)
+
+
+def _billed(response: Any) -> int:
+    """The tokens a stored turn's upstream reported for its input and output (0: none)."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if not isinstance(usage, dict):
+        return 0
+    total = 0
+    for name in ("input_tokens", "output_tokens"):
+        value = usage.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            total += value
+    return total
 
 
 def keep(store: ResponseStore, call: Call, response: dict[str, Any], owner: str) -> None:
