@@ -296,13 +296,20 @@ class RateLimiter:
         return estimate_tokens(size, None, call.n, expected_output=expected)
 
     async def take(
-        self, principal: Principal, tokens: int, wire: Wire = "openai", *, tpm: bool = True
+        self,
+        principal: Principal,
+        tokens: int,
+        wire: Wire = "openai",
+        *,
+        requests: bool = True,
+        tpm: bool = True,
     ) -> Verdict:
         """Charge one request and `tokens` to the key, or refuse. Raises KeyRateLimitedError,
         or OverloadedError when the store is down and the policy is `closed`. With `tpm`
         false the request is held to the key's rpm alone (it generates nothing: token
-        counting), and its tokens bucket is neither checked nor charged."""
-        limits = (principal.rpm or 0, (principal.tpm or 0) if tpm else 0)
+        counting), and its tokens bucket is neither checked nor charged; with `requests`
+        false, to its tpm alone (the request was charged already)."""
+        limits = ((principal.rpm or 0) if requests else 0, (principal.tpm or 0) if tpm else 0)
         if limits == (0, 0):
             return Verdict(True, None, None, "local")
         if limits[1] and principal.tpm is not None and tokens > principal.tpm:

@@ -65,7 +65,7 @@ async def test_continuations_of_a_long_turn_are_admitted_as_the_tpm_allows(
     tpm = 40_000
     async with run_gateway(settings(upstream, TURN_TOKENS, tpm=tpm)) as gw:
         first = await respond(http, gw.url, input="Tell me a long story.")
-        assert first.status_code == 200, first.text
+        assert first.status_code == 200, first.text[:300]
         answers = await asyncio.gather(
             *(
                 respond(
@@ -96,22 +96,23 @@ async def test_continuations_of_a_long_turn_are_admitted_as_the_tpm_allows(
 async def test_a_continuation_larger_than_the_tpm_is_refused_for_what_it_sends(
     upstream: Upstream, http: httpx.AsyncClient
 ) -> None:
-    """A turn that wrote 12,000 tokens, continued on a key with tpm 10,000: the continuation
-    alone needs more than the tpm, so it is refused for good (`x-should-retry: false`), and
-    the tokens it is said to need are those of the conversation, at least what the stored turn
-    was billed, and about what the upstream will count. (It used to be charged ~60 tokens and
-    told to wait.)"""
-    async with run_gateway(settings(upstream, 12_000, tpm=10_000)) as gw:
+    """A turn that wrote 6,000 tokens, continued with `max_output_tokens: 3000` on a key with
+    tpm 10,000: the continuation needs the conversation (the turn's text, counted again as
+    input) and its output, more than the tpm, so it is refused for good
+    (`x-should-retry: false`), and the tokens it is said to need are about what the upstream
+    would count. (It used to be charged ~3,050 tokens, and admitted.)"""
+    asked = 3_000
+    async with run_gateway(settings(upstream, 6_000, tpm=10_000)) as gw:
         first = await respond(http, gw.url, input="Tell me a long story.")
-        assert first.status_code == 200, first.text
+        assert first.status_code == 200, first.text[:300]
         answer = await respond(
             http,
             gw.url,
             input="and?",
             previous_response_id=first.json()["id"],
-            max_output_tokens=16,
+            max_output_tokens=asked,
         )
-    assert answer.status_code == 429
+    assert answer.status_code == 429, answer.text[:300]
     assert answer.headers["x-should-retry"] == "false"
     error = answer.json()["error"]
     assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
@@ -119,8 +120,23 @@ async def test_a_continuation_larger_than_the_tpm_is_refused_for_what_it_sends(
     assert found is not None, error["message"]
     # The upstream counts the turn's text again as input (the simulator: 4 characters a token).
     text = first.json()["output"][0]["content"][0]["text"]
-    assert used(first) <= int(found[1])
-    assert len(text) / 4 <= int(found[1]) <= len(text) / 4 * 1.1 + 100
+    assert used(first) + asked <= int(found[1])
+    assert len(text) / 4 + asked <= int(found[1]) <= len(text) / 4 * 1.1 + asked + 100
+
+
+async def test_a_key_at_its_rpm_is_refused_before_its_conversation_is_read(
+    upstream: Upstream, http: httpx.AsyncClient
+) -> None:
+    """A key at its rpm: its next continuation is a 429 (`requests`, with a `retry-after`)
+    before the store is read, so a refusal costs no expansion of a stored conversation: an id
+    that does not exist is not even looked up. (A key owing tokens is refused there too.)"""
+    async with run_gateway(settings(upstream, 5, rpm=1, tpm=100_000)) as gw:
+        first = await respond(http, gw.url, input="Tell me a story.")
+        assert first.status_code == 200, first.text[:300]
+        answer = await respond(http, gw.url, input="and?", previous_response_id="resp_missing")
+    assert answer.status_code == 429, answer.text[:300]
+    assert answer.json()["error"]["type"] == "requests"
+    assert int(answer.headers["retry-after"]) >= 1
 
 
 # --- token counting -------------------------------------------------------------------------------

@@ -87,8 +87,16 @@ async def admit(
     call = await off_loop(len(raw), parse_call, endpoint, raw)
     if principal is not None:
         call = _check_key(principal, call, runtime.services.models)
+    limited = principal is not None and principal.rate_limited
+    limiter = runtime.limiter
+    counted: Verdict | None = None  # the request, charged before its conversation is read
     known = 0  # prompt tokens known from the stored conversation's usage
     if endpoint == "responses" and call.body.get("previous_response_id"):
+        if limited:
+            assert principal is not None
+            # A key at its rpm, or owing tokens, is refused before the store is read and the
+            # conversation expanded: a refusal stays cheap. Its tokens are charged below.
+            counted = await limiter.take(principal, 0, call.wire)
         asked = len(call.raw)
         store = runtime.services.responses
         call, history = await expand_conversation(store, call, owner_of(principal))
@@ -98,13 +106,16 @@ async def admit(
         return call, None
     verdict = None
     prompt = charged = 0
-    if principal.rate_limited:
-        limiter = runtime.limiter
+    if limited:
         prompt, charged = limiter.estimate(
             principal, call, runtime.services.latency, known_prompt=known
         )
-        verdict = await limiter.take(principal, charged, call.wire)
-    return call, Admitted(principal, verdict, prompt, charged, runtime.limiter)
+        if counted is None:
+            verdict = await limiter.take(principal, charged, call.wire)
+        else:
+            tokens = await limiter.take(principal, charged, call.wire, requests=False)
+            verdict = replace(tokens, requests=counted.requests)
+    return call, Admitted(principal, verdict, prompt, charged, limiter)
 
 
 def model_of(services: Services, call: Call, principal: Principal | None) -> ModelSpec:

@@ -19,6 +19,7 @@ from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.models import Call
 from gateway.providers.translate.items import input_items, new_id, output_items_as_input
 from gateway.responses_store import ResponseStore, StoredResponse
+from gateway.validate import off_loop
 
 _JSON = "application/json"
 
@@ -48,6 +49,12 @@ async def expand_conversation(store: ResponseStore, call: Call, owner: str) -> t
             param="previous_response_id",
             code="previous_response_not_found",
         )
+    # A stored conversation may be megabytes: its Python-level work runs off the loop then.
+    size = len(stored.items) + len(stored.response) + len(call.raw)
+    return await off_loop(size, _expanded, call, stored)
+
+
+def _expanded(call: Call, stored: StoredResponse) -> tuple[Call, int]:
     history: list[Any] = orjson.loads(stored.items)
     response = orjson.loads(stored.response)
     history += output_items_as_input(response)
