@@ -275,25 +275,8 @@ class RateLimiter:
     def estimate(
         self, principal: Principal, call: Call, latency: LatencyStore, *, known_prompt: int = 0
     ) -> tuple[int, int]:
-        """The prompt tokens, and all the tokens, `call` is charged when admitted (see
-        `estimate_tokens`): its body as sent upstream (a stored conversation already expanded),
-        or `known_prompt` when larger (what the upstream billed for the conversation so far,
-        plus the new input). Without a max_tokens (the key's cap is set on the call already),
-        its model is expected to write the mean output length in the latency window, else the
-        configured default; that expectation is capped so that the request alone fits the
-        key's tpm (a guess must not refuse a request for good: the excess is owed instead)."""
-        size = max(len(call.raw), known_prompt * 4)
-        if call.endpoint == "embeddings":
-            return estimate_tokens(size, 0, 1, expected_output=0)
-        if call.max_tokens is not None:
-            return estimate_tokens(size, call.max_tokens, call.n, expected_output=0)
-        stats = latency.snapshot.models.get(call.model)
-        seen = stats.output_tokens if stats is not None else None
-        expected = math.ceil(seen) if seen else self._default_output
-        if principal.tpm is not None:
-            prompt = estimate_tokens(size, 0, 1, expected_output=0)[0]
-            expected = min(expected, max(1, (principal.tpm - prompt) // max(1, call.n)))
-        return estimate_tokens(size, None, call.n, expected_output=expected)
+        """What `call` is charged when admitted: see `estimate_charge`."""
+        return estimate_charge(principal, call, latency, self._default_output, known_prompt)
 
     async def take(
         self,
@@ -533,6 +516,30 @@ def open_rate_limiter(
             wait_for_connection=True,
         )
     return RateLimiter(spec, redis, clock=clock)
+
+
+def estimate_charge(
+    principal: Principal, call: Call, latency: LatencyStore, default_output: int, known_prompt: int
+) -> tuple[int, int]:
+    """The prompt tokens, and all the tokens, `call` is charged when admitted (see
+    `estimate_tokens`): its body as sent upstream (a stored conversation already expanded),
+    or `known_prompt` when larger (what the upstream billed for the conversation so far, plus
+    the new input). Without a max_tokens (the key's cap is set on the call already), its model
+    is expected to write the mean output length in the latency window, else `default_output`;
+    that expectation is capped so that the request alone fits the key's tpm (a guess must not
+    refuse a request for good: the excess is owed instead)."""
+    size = max(len(call.raw), known_prompt * 4)
+    if call.endpoint == "embeddings":
+        return estimate_tokens(size, 0, 1, expected_output=0)
+    if call.max_tokens is not None:
+        return estimate_tokens(size, call.max_tokens, call.n, expected_output=0)
+    stats = latency.snapshot.models.get(call.model)
+    seen = stats.output_tokens if stats is not None else None
+    expected = math.ceil(seen) if seen else default_output
+    if principal.tpm is not None:
+        prompt = estimate_tokens(size, 0, 1, expected_output=0)[0]
+        expected = min(expected, max(1, (principal.tpm - prompt) // max(1, call.n)))
+    return estimate_tokens(size, None, call.n, expected_output=expected)
 
 
 def estimate_tokens(
