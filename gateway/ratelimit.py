@@ -272,29 +272,30 @@ class RateLimiter:
             "loop_lag_waits": self.loop_lag_waits,
         }
 
-    def estimate(self, principal: Principal, call: Call, latency: LatencyStore) -> tuple[int, int]:
-        """The prompt tokens, and all the tokens, `call` is charged when admitted (see
-        `estimate_tokens`). Without a max_tokens (the key's cap is set on the call already),
-        its model is expected to write the mean output length in the latency window, else the
-        configured default; that expectation is capped so that the request alone fits the
-        key's tpm (a guess must not refuse a request for good: the excess is owed instead)."""
-        if call.endpoint == "embeddings":
-            return estimate_tokens(call.raw, 0, 1, expected_output=0)
-        if call.max_tokens is not None:
-            return estimate_tokens(call.raw, call.max_tokens, call.n, expected_output=0)
-        stats = latency.snapshot.models.get(call.model)
-        seen = stats.output_tokens if stats is not None else None
-        expected = math.ceil(seen) if seen else self._default_output
-        if principal.tpm is not None:
-            prompt = estimate_tokens(call.raw, 0, 1, expected_output=0)[0]
-            expected = min(expected, max(1, (principal.tpm - prompt) // max(1, call.n)))
-        return estimate_tokens(call.raw, None, call.n, expected_output=expected)
+    def estimate(
+        self, principal: Principal, call: Call, latency: LatencyStore, *, known_prompt: int = 0
+    ) -> tuple[int, int]:
+        """What `call` is charged when admitted: see `estimate_charge`."""
+        return estimate_charge(principal, call, latency, self._default_output, known_prompt)
 
-    async def take(self, principal: Principal, tokens: int, wire: Wire = "openai") -> Verdict:
+    async def take(
+        self,
+        principal: Principal,
+        tokens: int,
+        wire: Wire = "openai",
+        *,
+        requests: bool = True,
+        tpm: bool = True,
+    ) -> Verdict:
         """Charge one request and `tokens` to the key, or refuse. Raises KeyRateLimitedError,
-        or OverloadedError when the store is down and the policy is `closed`."""
-        limits = (principal.rpm or 0, principal.tpm or 0)
-        if principal.tpm is not None and tokens > principal.tpm:
+        or OverloadedError when the store is down and the policy is `closed`. With `tpm`
+        false the request is held to the key's rpm alone (it generates nothing: token
+        counting), and its tokens bucket is neither checked nor charged; with `requests`
+        false, to its tpm alone (the request was charged already)."""
+        limits = ((principal.rpm or 0) if requests else 0, (principal.tpm or 0) if tpm else 0)
+        if limits == (0, 0):
+            return Verdict(True, None, None, "local")
+        if limits[1] and principal.tpm is not None and tokens > principal.tpm:
             self._count(principal.name, "tokens")
             raise KeyRateLimitedError(
                 f"Request too large for key '{principal.name}': it needs about {tokens} tokens "
@@ -517,14 +518,38 @@ def open_rate_limiter(
     return RateLimiter(spec, redis, clock=clock)
 
 
+def estimate_charge(
+    principal: Principal, call: Call, latency: LatencyStore, default_output: int, known_prompt: int
+) -> tuple[int, int]:
+    """The prompt tokens, and all the tokens, `call` is charged when admitted (see
+    `estimate_tokens`): its body as sent upstream (a stored conversation already expanded),
+    or `known_prompt` when larger (what the upstream billed for the conversation so far, plus
+    the new input). Without a max_tokens (the key's cap is set on the call already), its model
+    is expected to write the mean output length in the latency window, else `default_output`;
+    that expectation is capped so that the request alone fits the key's tpm (a guess must not
+    refuse a request for good: the excess is owed instead)."""
+    size = max(len(call.raw), known_prompt * 4)
+    if call.endpoint == "embeddings":
+        return estimate_tokens(size, 0, 1, expected_output=0)
+    if call.max_tokens is not None:
+        return estimate_tokens(size, call.max_tokens, call.n, expected_output=0)
+    stats = latency.snapshot.models.get(call.model)
+    seen = stats.output_tokens if stats is not None else None
+    expected = math.ceil(seen) if seen else default_output
+    if principal.tpm is not None:
+        prompt = estimate_tokens(size, 0, 1, expected_output=0)[0]
+        expected = min(expected, max(1, (principal.tpm - prompt) // max(1, call.n)))
+    return estimate_tokens(size, None, call.n, expected_output=expected)
+
+
 def estimate_tokens(
-    raw_body: bytes, max_tokens: int | None, n: int, *, expected_output: int
+    body_bytes: int, max_tokens: int | None, n: int, *, expected_output: int
 ) -> tuple[int, int]:
     """The prompt tokens, and all the tokens, a request is charged when admitted, before its
     usage is known: about four bytes of JSON per prompt token (over-counting the JSON around the
     prompt), plus for every choice the output tokens it may ask for, or without a max_tokens,
     `expected_output` (at least one: a request that may write is never charged nothing)."""
-    prompt = max(1, len(raw_body) // 4)
+    prompt = max(1, body_bytes // 4)
     output = max(1, expected_output) if max_tokens is None else max_tokens
     return prompt, prompt + output * max(1, n)
 

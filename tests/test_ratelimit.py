@@ -118,12 +118,12 @@ def test_settling_returns_unused_tokens() -> None:
 
 
 def test_estimate_counts_the_prompt_and_every_output_token_asked() -> None:
-    prompt, total = estimate_tokens(b"x" * 400, max_tokens=50, n=2, expected_output=7)
+    prompt, total = estimate_tokens(400, max_tokens=50, n=2, expected_output=7)
     assert (prompt, total) == (100, 200)
     # Without max_tokens: what the model is expected to write, for every choice; never nothing.
-    assert estimate_tokens(b"", None, 2, expected_output=300) == (1, 601)
-    assert estimate_tokens(b"", None, 1, expected_output=0) == (1, 2)
-    assert estimate_tokens(b"x" * 40, 0, 1, expected_output=300) == (10, 10)  # asked for none
+    assert estimate_tokens(0, None, 2, expected_output=300) == (1, 601)
+    assert estimate_tokens(0, None, 1, expected_output=0) == (1, 2)
+    assert estimate_tokens(40, 0, 1, expected_output=300) == (10, 10)  # asked for none
 
 
 async def test_what_a_request_without_max_tokens_is_charged() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope
 
+from gateway.api.conversation import expand_conversation, owner_of
 from gateway.auth import KeyRing, Principal
 from gateway.batching import BATCHED_ENDPOINTS
 from gateway.config import ModelSpec
@@ -32,7 +33,7 @@ from gateway.models import Call, Endpoint
 from gateway.ratelimit import RateLimiter, Verdict
 from gateway.routing import Decision, budget_for, decide
 from gateway.runtime import Runtime, Services
-from gateway.validate import OUTPUT_LENGTH_FIELDS, parse_call
+from gateway.validate import OUTPUT_LENGTH_FIELDS, off_loop, parse_call
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 """A request id the gateway honours, or echoes from an upstream."""
@@ -76,21 +77,45 @@ async def admit(
     receive: Receive,
     endpoint: Endpoint,
 ) -> tuple[Call, Admitted | None]:
-    """Read and parse the body; with a key, hold the call to the key's caps and charge it.
+    """Read and parse the body; with a key, hold the call to the key's caps; expand a stored
+    conversation; then charge the key for what will be sent upstream (the whole conversation,
+    not its last message).
 
     Raises a GatewayError (the request is refused), or ClientGoneError."""
     server = runtime.services.settings.server
     raw = await read_body(scope, receive, server.max_body_bytes, server.read_timeout_s)
-    call = parse_call(endpoint, raw)
+    call = await off_loop(len(raw), parse_call, endpoint, raw)
+    if principal is not None:
+        call = _check_key(principal, call, runtime.services.models)
+    limited = principal is not None and principal.rate_limited
+    limiter = runtime.limiter
+    counted: Verdict | None = None  # the request, charged before its conversation is read
+    known = 0  # prompt tokens known from the stored conversation's usage
+    if endpoint == "responses" and call.body.get("previous_response_id"):
+        if limited:
+            assert principal is not None
+            # A key at its rpm, or owing tokens, is refused before the store is read and the
+            # conversation expanded: a refusal stays cheap. Its tokens are charged below.
+            counted = await limiter.take(principal, 0, call.wire)
+        asked = len(call.raw)
+        store = runtime.services.responses
+        call, history = await expand_conversation(store, call, owner_of(principal))
+        if history:
+            known = history + asked // 4
     if principal is None:
         return call, None
-    call = _check_key(principal, call, runtime.services.models)
     verdict = None
     prompt = charged = 0
-    if principal.rate_limited:
-        prompt, charged = runtime.limiter.estimate(principal, call, runtime.services.latency)
-        verdict = await runtime.limiter.take(principal, charged, call.wire)
-    return call, Admitted(principal, verdict, prompt, charged, runtime.limiter)
+    if limited:
+        prompt, charged = limiter.estimate(
+            principal, call, runtime.services.latency, known_prompt=known
+        )
+        if counted is None:
+            verdict = await limiter.take(principal, charged, call.wire)
+        else:
+            tokens = await limiter.take(principal, charged, call.wire, requests=False)
+            verdict = replace(tokens, requests=counted.requests)
+    return call, Admitted(principal, verdict, prompt, charged, limiter)
 
 
 def model_of(services: Services, call: Call, principal: Principal | None) -> ModelSpec:

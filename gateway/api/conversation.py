@@ -20,6 +20,7 @@ from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.models import Call
 from gateway.providers.translate.items import input_items, new_id, output_items_as_input
 from gateway.responses_store import ResponseGoneError, ResponseStore, StoredResponse
+from gateway.validate import off_loop
 
 _JSON = "application/json"
 
@@ -34,21 +35,48 @@ def owner_of(principal: Principal | None) -> str:
 async def continue_conversation(store: ResponseStore, call: Call, owner: str) -> Call:
     """The call with its `previous_response_id` expanded: the stored conversation, the previous
     response's output, then this request's input, as one `input`."""
+    return (await expand_conversation(store, call, owner))[0]
+
+
+async def expand_conversation(store: ResponseStore, call: Call, owner: str) -> tuple[Call, int]:
+    """`continue_conversation`, and the tokens of the conversation so far as its upstream
+    billed them (the stored turn's input and output tokens; 0 when it did not say). Raises
+    InvalidRequestError when the previous response is not found for `owner`."""
     previous = call.body.get("previous_response_id")
     if not previous:
-        return call
+        return call, 0
     try:
         stored = await store.get(previous, owner)
     except ResponseGoneError as gone:
         raise _previous_missing(previous, f": {gone.reason}") from None
     if stored is None:
         raise _previous_missing(previous, "")
+    # A stored conversation may be megabytes: its Python-level work runs off the loop then.
+    size = len(stored.items) + len(stored.response) + len(call.raw)
+    return await off_loop(size, _expanded, call, stored)
+
+
+def _expanded(call: Call, stored: StoredResponse) -> tuple[Call, int]:
     history: list[Any] = orjson.loads(stored.items)
-    history += output_items_as_input(orjson.loads(stored.response))
+    response = orjson.loads(stored.response)
+    history += output_items_as_input(response)
     history += input_items(call.body)
     body = {**call.body, "input": history}
     lineage = (stored.id, *stored.ancestors)
-    return replace(call, body=body, raw=orjson.dumps(body), lineage=lineage)
+    return replace(call, body=body, raw=orjson.dumps(body), lineage=lineage), _billed(response)
+
+
+def _billed(response: Any) -> int:
+    """The tokens a stored turn's upstream reported for its input and output (0: none)."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if not isinstance(usage, dict):
+        return 0
+    total = 0
+    for name in ("input_tokens", "output_tokens"):
+        value = usage.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            total += value
+    return total
 
 
 def _previous_missing(previous: str, why: str) -> InvalidRequestError:

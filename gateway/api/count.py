@@ -7,8 +7,11 @@ are asked in order (those cooling down last) for a count from their own counter
 every counter failed or timed out) the answer is an estimate, and says so: `"estimated": true`
 in the body and `x-tailguard-token-count: estimate` (else `upstream`, with the deployment that
 counted in `x-tailguard-deployment`). Nothing is generated, so nothing is recorded in the
-latency statistics or charged to the key's rate limits; the gateway's and the key's caps on
-requests in flight do apply.
+latency statistics, and a count is charged to the key's rpm as one request but nothing to its
+tpm; the gateway's and the key's caps on requests in flight apply. The work per call is
+bounded: the body by `server.max_body_bytes`, its JSON values by `server.max_count_values`
+(checked before parsing), and a large body is parsed, translated and estimated in a worker
+thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -40,7 +43,15 @@ from gateway.models import Call, Wire
 from gateway.providers.count import CountQuery, counter_of, estimate_tokens
 from gateway.providers.translate import TranslationError
 from gateway.runtime import Runtime, Services
-from gateway.validate import check_messages, invalid_type, load_body, missing_param, parse_call
+from gateway.validate import (
+    check_json_values,
+    check_messages,
+    invalid_type,
+    load_body,
+    missing_param,
+    off_loop,
+    parse_call,
+)
 
 log = logging.getLogger("tailguard")
 
@@ -93,8 +104,14 @@ async def serve_count(request: Request, wire: Wire) -> Response:
 async def _count(runtime: Runtime, ctx: RequestContext, request: Request, wire: Wire) -> Response:
     scope = request.scope
     server = runtime.services.settings.server
+    principal = ctx.principal
+    verdict = None
+    if principal is not None and principal.rate_limited:
+        # A count is a request against the key's rpm (it generates nothing: no tpm), charged
+        # before its body is read or parsed, so a key at its limit costs no parse.
+        verdict = await runtime.limiter.take(principal, 0, wire, tpm=False)
     raw = await read_body(scope, request.receive, server.max_body_bytes, server.read_timeout_s)
-    model, query = parse_count(wire, raw)
+    model, query = await off_loop(len(raw), parse_count, wire, raw, server.max_count_values)
     services = runtime.services  # the request keeps these to its end, whatever reloads
     spec = _model(services, model, ctx)
     ctx.model = spec.name
@@ -110,6 +127,8 @@ async def _count(runtime: Runtime, ctx: RequestContext, request: Request, wire: 
     if wire == "openai":
         body = {"object": "response.input_tokens", **body}
     answer = {MODEL_HEADER: spec.name}
+    if verdict is not None:
+        answer.update((k.decode(), v.decode()) for k, v in verdict.headers(wire))
     if deployment is None:
         body["estimated"] = True
         answer[TOKEN_COUNT_HEADER] = "estimate"
@@ -151,7 +170,7 @@ async def count_upstream(
             raise  # the request itself is bad: another counter would say so too
         except ProviderError as error:
             log.info("token counter of %s failed: %s", deployment.id, error.message)
-    return estimate_tokens(query), None
+    return await off_loop(query.size, estimate_tokens, query), None
 
 
 async def _continued(
@@ -161,7 +180,7 @@ async def _continued(
     Responses endpoint expands it: what is counted is the whole conversation."""
     call = Call("responses", model, query.body, b"", stream=False)
     call = await continue_conversation(services.responses, call, owner_of(ctx.principal))
-    return CountQuery(query.wire, call.body)
+    return CountQuery(query.wire, call.body, len(call.raw))
 
 
 def _model(services: Services, name: str, ctx: RequestContext) -> ModelSpec:
@@ -188,22 +207,17 @@ def _forwarded(scope: Scope, request_id: str) -> dict[str, str]:
 # --- the body ------------------------------------------------------------------------------------
 
 
-def parse_count(wire: Wire, raw: bytes) -> tuple[str, CountQuery]:
+def parse_count(wire: Wire, raw: bytes, max_values: int) -> tuple[str, CountQuery]:
     """The model named and what to count, held to the LLM endpoints' checks (the JSON, its
     depth, repeated keys, the fields' types): a Responses body to those of `POST /v1/responses`,
     a Messages body to those of `POST /v1/messages` but `max_tokens` (nothing is generated).
-    Raises InvalidRequestError naming the offending param."""
+    Raises BodyTooLargeError for a body of more than `max_values` JSON values (checked before
+    it is parsed), and InvalidRequestError naming the offending param."""
+    check_json_values(raw, max_values, "token-counting request")
     if wire == "openai":
-        call = parse_call("responses", raw)
-        if call.body.get("conversation") is not None:
-            raise InvalidRequestError(
-                "The gateway keeps no conversations: send the items in 'input', or continue a "
-                "stored response with 'previous_response_id'.",
-                param="conversation",
-                code="unsupported_parameter",
-            )
+        call = parse_call("responses", raw)  # refuses `conversation` too
         body = {k: v for k, v in call.body.items() if k != "model"}
-        return call.model, CountQuery(wire, body)
+        return call.model, CountQuery(wire, body, len(raw))
     body = load_body(raw)
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.", code="invalid_type")
@@ -226,4 +240,4 @@ def parse_count(wire: Wire, raw: bytes) -> tuple[str, CountQuery]:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid_type("tools", "an array", tools)
-    return model, CountQuery(wire, body)
+    return model, CountQuery(wire, body, len(raw))

@@ -2,9 +2,10 @@
 from here directly (`serve_llm`), outside the framework.
 
 An LLM request goes: `serve_llm` → `admit.authenticate` and the admission cap → `admit.admit`
-(body, key caps, rate-limit charge) → `admit.model_of` and `admit.resolve` (headers, budget,
-`routing.decide`) → `relay.Proxy` (the race, the response) → `outcome.record`. A refusal on the
-way is answered by `render.send_error` and recorded by `outcome.record` too.
+(body, key caps, stored conversation, rate-limit charge) → `admit.model_of` and
+`admit.resolve` (headers, budget, `routing.decide`) → `relay.Proxy` (the race, the response) →
+`outcome.record`. A refusal on the way is answered by `render.send_error` and recorded by
+`outcome.record` too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from gateway.api.admit import (
     model_of,
     resolve,
 )
-from gateway.api.conversation import continue_conversation, owner_of
 from gateway.api.outcome import RequestOutcome, record
 from gateway.api.relay import Proxy
 from gateway.api.render import send_error, wire_of
@@ -142,10 +142,9 @@ async def serve_llm(
                 )
             admission.enter(ctx.principal)
             entered = True
+            # The conversation so far (`previous_response_id`) is expanded there, before the
+            # charge: the key pays for what is sent upstream.
             call, ticket = await admit(runtime, ctx.principal, scope, receive, endpoint)
-            if endpoint == "responses":  # the conversation so far, from the gateway's store
-                store = runtime.services.responses
-                call = await continue_conversation(store, call, owner_of(ctx.principal))
             services = runtime.services  # after the last await: the request keeps these
             spec = model_of(services, call, ctx.principal)
             ctx.model = spec.name

@@ -45,6 +45,10 @@ class ServerSpec(_Spec):
     """Worker processes."""
     max_body_bytes: Annotated[int, Field(gt=0)] = 10 * 1024 * 1024
     """Larger request bodies get a 413, refused from `content-length` or while counting."""
+    max_count_values: Annotated[int, Field(gt=0)] = 100_000
+    """A token-counting request (`/v1/messages/count_tokens`, `/v1/responses/input_tokens`)
+    may hold at most this many JSON values, counted as its commas and colons before it is
+    parsed (an upper bound: punctuation inside strings counts too); more gets a 413."""
     access_log: bool = True
     """One JSON line per LLM request on stdout."""
     shutdown_grace_s: Annotated[float, Field(ge=0, le=3600)] = 30.0

@@ -38,6 +38,7 @@ from gateway.providers.translate import (
 )
 from gateway.providers.translate.items import responses_request_to_chat
 from gateway.sim.wire import BadRequestError
+from gateway.validate import off_loop
 
 CHARS_PER_TOKEN: Final = 4
 """The estimate's rule of thumb: about four characters of English text per token."""
@@ -93,6 +94,7 @@ class CountQuery:
 
     wire: Wire
     body: dict[str, Any]
+    size: int = 0  # bytes of the body as sent: large ones are translated off the event loop
     _chat: dict[str, Any] | None = field(default=None, init=False)
 
     def messages(self) -> dict[str, Any]:
@@ -150,7 +152,7 @@ def counter_of(
 
         async def simulated() -> int:
             try:
-                tokens = engine.count_tokens({"model": upstream_model, **query.chat()})
+                tokens = await off_loop(query.size, _simulated_count, engine, upstream_model, query)
             except BadRequestError as exc:  # as the simulator's HTTP server would answer it
                 raise upstream_error(
                     deployment=deployment,
@@ -164,6 +166,7 @@ def counter_of(
         return simulated
     if not isinstance(provider, HTTPProvider) or spec.base_url is None:
         return None
+    size = query.size
     base = spec.base_url.rstrip("/")
     forward = {k: v for k, v in headers.items() if k != "anthropic-beta"}
     if spec.type == "anthropic":
@@ -175,6 +178,7 @@ def counter_of(
             lambda: {**query.messages(), "model": upstream_model},
             "input_tokens",
             dict(headers),
+            size,
         )
     if spec.type == "openai" and spec.responses == "native":
         return _http_counter(
@@ -185,6 +189,7 @@ def counter_of(
             lambda: {**query.responses(), "model": upstream_model},
             "input_tokens",
             forward,
+            size,
         )
     if spec.type == "vllm":
         return _http_counter(
@@ -195,8 +200,17 @@ def counter_of(
             lambda: {"model": upstream_model, **query.chat()},
             "count",
             forward,
+            size,
         )
     return None
+
+
+def _simulated_count(engine: Any, upstream_model: str, query: CountQuery) -> int:
+    return int(engine.count_tokens({"model": upstream_model, **query.chat()}))
+
+
+def _encoded(make_body: Callable[[], dict[str, Any]]) -> bytes:
+    return orjson.dumps(make_body())
 
 
 def tokenize_url(base_url: str) -> str:
@@ -216,13 +230,14 @@ def _http_counter(
     make_body: Callable[[], dict[str, Any]],
     key: str,
     headers: dict[str, str],
+    size: int,
 ) -> Counter:
     # The session's own timeouts bound connecting and each read; this bounds the whole, so a
     # counter trickling bytes cannot hold the request either.
     limit_s = (spec.connect_timeout_ms + spec.read_timeout_ms) / 1000
 
     async def post() -> int:
-        body = orjson.dumps(make_body())  # translated before anything is sent
+        body = await off_loop(size, _encoded, make_body)  # translated before anything is sent
         # The provider's own pool and credentials, as its LLM requests use them.
         sent = provider.body_headers | headers
         try:
