@@ -12,7 +12,9 @@ from gateway.latency import TTFT_DEADLINE, MetricStats, Snapshot, TargetStats
 from gateway.routing.guards import (
     EXPLORED_FRESH_S,
     EXPLORED_KEPT,
+    FREE,
     HEDGE_FLOOR_REQUESTS,
+    PROBE,
     PROBE_WAIT_S,
     Cooldowns,
     Explorer,
@@ -118,8 +120,8 @@ def test_a_successful_probe_closes_the_breaker() -> None:
 
 
 def test_a_failed_probe_reopens_with_about_double_the_wait() -> None:
-    """Probe failure reopens it at once, for 2 * base_s (±10% jitter)."""
-    cooldowns, clock = opened()
+    """Probe failure reopens it at once, for 2 * base_s (±10% jitter), below the probe interval."""
+    cooldowns, clock = opened(CooldownSpec(failures=3, base_s=5.0, probe_interval_s=60.0))
     past_cooldown(cooldowns, clock)
     assert cooldowns.begin(D)
     fail(cooldowns, 1)
@@ -183,6 +185,75 @@ def test_a_burst_of_failures_opens_it_for_base_s() -> None:
     assert all(cooldowns.begin(D) for _ in range(burst))
     fail(cooldowns, burst)
     assert cooldowns.cooling()[D] <= SPEC.base_s * 1.1
+
+
+def test_the_back_off_stops_at_the_probe_interval() -> None:
+    """However many probes fail, the next comes within `probe_interval_s` (5 s by default), so
+    a deployment that recovered is back within seconds, not after a doubled minute."""
+    cooldowns, clock = opened()
+    longest = 0.0
+    for _ in range(6):
+        past_cooldown(cooldowns, clock)
+        assert cooldowns.begin(D)
+        fail(cooldowns, 1)
+        longest = max(longest, cooldowns.cooling()[D])
+    assert SPEC.probe_interval_s == 5.0
+    assert longest <= SPEC.probe_interval_s + 1e-9  # (the clock is a float)
+
+
+def test_a_long_outage_never_overflows_the_back_off() -> None:
+    """Over a thousand failed probes (hours of outage) the back-off is still a number."""
+    spec = CooldownSpec(failures=1, base_s=5.0, max_s=60.0)
+    cooldowns, clock = opened(spec)
+    for _ in range(1100):
+        past_cooldown(cooldowns, clock)
+        assert cooldowns.begin(D)
+        fail(cooldowns, 1)
+    assert cooldowns.cooling()[D] <= spec.max_s
+
+
+def test_a_last_resort_probes_at_once_one_at_a_time() -> None:
+    """With nowhere else to go a request takes the probe before the cooldown ends; while it is
+    out no other may; its failure frees the probe without stretching the cooldown, and its
+    success closes the breaker."""
+    cooldowns, _ = opened()
+    remaining = cooldowns.cooling()[D]
+    assert not cooldowns.begin(D)
+    assert cooldowns.begin(D, last_resort=True) is PROBE
+    assert not cooldowns.may_probe(D)
+    assert not cooldowns.begin(D, last_resort=True)
+    fail(cooldowns, 1)
+    assert cooldowns.cooling()[D] == pytest.approx(remaining)
+    assert cooldowns.may_probe(D)
+    assert cooldowns.begin(D, last_resort=True) is PROBE
+    cooldowns.succeeded(D)
+    assert cooldowns.cooling() == {}
+    assert cooldowns.begin(D) is FREE
+
+
+@pytest.mark.parametrize("verdict", ["succeeded", "failed", "abandoned"])
+async def test_a_probe_verdict_wakes_whoever_waits_for_it(verdict: str) -> None:
+    """Requests waiting for the probe are woken when it ends, however it ends."""
+    cooldowns, _ = opened()
+    assert cooldowns.begin(D, last_resort=True) is PROBE
+    waiter = cooldowns.next_verdict()
+    assert cooldowns.waiting == 1
+    if verdict == "succeeded":
+        cooldowns.succeeded(D)
+    elif verdict == "failed":
+        fail(cooldowns, 1)
+    else:
+        cooldowns.abandoned(D)
+    assert waiter.done()
+    assert cooldowns.waiting == 0
+
+
+async def test_waiting_for_a_verdict_is_bounded() -> None:
+    """No verdict within the time given: `settled` says so, and no longer counts as waiting."""
+    cooldowns, _ = opened()
+    assert cooldowns.begin(D, last_resort=True) is PROBE
+    assert not await cooldowns.settled(0.0)
+    assert cooldowns.waiting == 0
 
 
 # --- retry budget --------------------------------------------------------------------------------

@@ -294,6 +294,10 @@ class CooldownSpec(_Spec):
     """First cooldown; doubles each time it reopens."""
     max_s: Annotated[float, Field(gt=0)] = 60.0
     """Cap, also on an upstream's `retry-after`."""
+    probe_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    """The longest a deployment waits for its next probe after failures: the doubling stops
+    here, so a recovered deployment is back within this many seconds. (Only a `retry-after`
+    keeps it out longer, up to `max_s`; with nowhere else to go, requests probe at once.)"""
 
     @model_validator(mode="after")
     def _ordered(self) -> CooldownSpec:

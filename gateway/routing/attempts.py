@@ -30,7 +30,7 @@ from gateway.latency import HEDGE_LOST, TTFT_DEADLINE, Snapshot
 from gateway.providers.base import UpstreamStream
 from gateway.providers.request import Prepared
 from gateway.routing.deadline import explore_left, rescue_at, ttft_end
-from gateway.routing.guards import PROBE, PROBE_WAIT_S
+from gateway.routing.guards import PROBE, PROBE_WAIT_S, Admission, Cooldowns, LastResort
 from gateway.routing.ledger import Ledger, Live, Opened, Tally
 from gateway.routing.plan import Candidate, Plan, Route
 
@@ -54,6 +54,10 @@ async def open_first(
     race = _Race(ledger, plan, snapshot)
     race.preempted = preempted
     try:
+        cooldowns = ledger.guards.cooldowns
+        if _nowhere_else(cooldowns, plan):
+            waited_out = not await _probe_verdict(cooldowns, plan, race.ttft_end)
+            race.admit = LastResort(cooldowns, beside=waited_out)
         opened = await race.run()
     finally:
         await race.settle()
@@ -65,9 +69,8 @@ _reaping: set[asyncio.Task[None]] = set()  # cleanups that outlive a cancelled r
 
 
 class _Race:
-    """One request's attempts as they run. Every attempt it starts is in the ledger until it
-    is closed, and `settle()` (always run, in `open_first`'s `finally`) closes whatever is left
-    but the winner."""
+    """One request's attempts as they run. Every attempt it starts is in the ledger until closed;
+    `settle()` (always run, in `open_first`'s `finally`) closes whatever is left but the winner."""
 
     def __init__(self, ledger: Ledger, plan: Plan, snapshot: Snapshot) -> None:
         self.ledger = ledger
@@ -80,6 +83,7 @@ class _Race:
         self.errors: list[ProviderError] = []
         self.refused: ProviderError | None = None  # a non-retryable error while others ran
         self.cooling_skipped = False
+        self.admit: Callable[[str], Admission] = self.guards.cooldowns.begin  # or LastResort
         self.hedged = False  # a rescue was started (at most one per request)
         self.explore = False  # the armed rescue explores an unmeasured successor, as a hedge
         self.timer_at: float | None = None  # perf_counter time to rescue `timed`
@@ -184,7 +188,7 @@ class _Race:
         """The next candidate that can be tried, begun in the ledger; None if none is left."""
         while self.queue:
             candidate = self.queue.popleft()
-            admitted = self.guards.cooldowns.begin(candidate.id)
+            admitted = self.admit(candidate.id)
             if not admitted:
                 self.cooling_skipped = True
                 continue
@@ -314,6 +318,29 @@ class _Race:
         if wait is not None and wait.isdigit() and int(wait) > cap:
             failed.headers["retry-after"] = str(cap)
         return failed
+
+
+def _nowhere_else(cooldowns: Cooldowns, plan: Plan) -> bool:
+    """Whether every candidate is cooling down: the breaker has nowhere to route around to, so
+    the request is not refused but sent as a probe (a plain proxy would send it)."""
+    cooling = cooldowns.cooling()
+    return bool(cooling) and all(c.id in cooling for c in plan.candidates)
+
+
+async def _probe_verdict(cooldowns: Cooldowns, plan: Plan, ttft_end: float | None) -> bool:
+    """With nowhere else to go and every candidate's probe out, wait for a verdict: a success
+    closes the breaker and the request goes as usual, a failure frees the probe for it. False
+    when the wait ended first, at `PROBE_WAIT_S` or the TTFT budget: the request is then sent
+    beside the probe, since a probe that slow is no evidence the deployment is down."""
+    ids = [candidate.id for candidate in plan.candidates]
+    until = time.perf_counter() + PROBE_WAIT_S
+    if ttft_end is not None:
+        until = min(until, ttft_end)
+    while not any(cooldowns.may_probe(deployment) for deployment in ids):
+        left = until - time.perf_counter()
+        if left <= 0 or not await cooldowns.settled(left):
+            return False
+    return True
 
 
 async def _time_explored(ledger: Ledger, task: asyncio.Task[Opened], live: Live) -> None:

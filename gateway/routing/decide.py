@@ -75,8 +75,8 @@ def decide(
 ) -> Decision:
     """Route an admitted call for `spec`. `batchers` (by deployment id): the micro-batch queues
     a bulk call goes through instead of its deployment, when it is one they batch. Raises
-    InvalidRequestError when no deployment serves this kind of call, and CoolingDownError when
-    every one that does is cooling down."""
+    InvalidRequestError when no deployment serves this kind of call. Deployments cooling down
+    are left out, unless every one is: then none is (the race sends the request as a probe)."""
     snapshot = routes.latency.snapshot
     routes.latency.arrived(spec.name)  # caps on extra load are a share of client requests
     explored = routes.guards.explorer.latest()
@@ -91,7 +91,12 @@ def decide(
     # The server that holds this prompt's prefix in its cache leads, within its load bound.
     steering = routes.affinity.steer(found, call, routes.servers, routes.latency.inflight)
     found = steering.found
-    chosen = plan(found, call, budget, cooling=routes.guards.cooldowns.cooling())
+    cooling: Mapping[str, float] | None = routes.guards.cooldowns.cooling()
+    if cooling and all(c.id in cooling for c in found):
+        # Nowhere to route around to: the request is not refused but sent, as the probe, one
+        # at a time (see `_Race._await_probe`), as a plain proxy would send it.
+        cooling = None
+    chosen = plan(found, call, budget, cooling=cooling)
     if budget.ttft_s is not None and spec.on_ttft_miss != "none" and budget.may_hedge:
         # A deployment routed away is now and then tried again, raced by the one that serves.
         chosen = with_exploration(chosen, found, routes.guards.explorer.due)

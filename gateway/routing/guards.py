@@ -6,6 +6,7 @@ monotonic clock so tests can drive it.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import random
 import time
@@ -20,7 +21,10 @@ from gateway.latency import TTFT_DEADLINE, Snapshot
 
 _NOTHING: Mapping[str, float] = MappingProxyType({})
 PROBE_WAIT_S = 1.0
-"""What `cooling` reports for a deployment whose half-open probe is still out."""
+"""What `cooling` reports for a deployment whose half-open probe is still out; also the longest
+a request with nowhere else to go waits for that probe's verdict before it is sent beside it."""
+MAX_DOUBLINGS = 32
+"""The back-off's exponent stops growing here (it is capped far sooner; 2**1024 is no float)."""
 
 
 class Admission(enum.IntEnum):
@@ -47,10 +51,15 @@ class Cooldowns:
     """A circuit breaker per deployment.
 
     `failures` consecutive failures before commit open it for `base_s`, doubled each time it
-    reopens (jittered, capped at `max_s`); a 429 with `retry-after` opens it for that long
-    (capped). When the cooldown ends one attempt is let through as a probe: success closes the
-    breaker, failure reopens it. A TTFT deadline miss is slowness, not failure: the planner
-    handles it through the latency statistics.
+    reopens (jittered, capped at `probe_interval_s` and `max_s`); a 429 with `retry-after` opens
+    it for that long (capped at `max_s`). When the cooldown ends one attempt is let through as a
+    probe: success closes the breaker, failure reopens it. A TTFT deadline miss is slowness, not
+    failure: the planner handles it through the latency statistics.
+
+    The breaker routes around a failing deployment; it does not refuse when there is nowhere
+    else to go. A request whose every candidate is cooling down begins as a `last_resort`: it
+    takes the probe at once, cooldown or not, so such requests reach the deployment one at a
+    time (`settled` lets the others wait for each verdict).
     """
 
     def __init__(
@@ -64,6 +73,7 @@ class Cooldowns:
         self._clock = clock
         self._rng = rng or random.Random()
         self._states: dict[str, _Breaker] = {}
+        self._waiting: list[asyncio.Future[None]] = []  # requests waiting for a probe's verdict
         self.opened: dict[str, int] = {}  # times each breaker opened
 
     @property
@@ -84,16 +94,56 @@ class Cooldowns:
                 found[deployment] = PROBE_WAIT_S
         return found
 
-    def begin(self, deployment: str) -> Admission:
+    def begin(self, deployment: str, *, last_resort: bool = False) -> Admission:
         """An attempt is about to start: DENIED if it may not, PROBE if it claimed the half-open
-        probe (then `succeeded`, `failed` or `abandoned` must follow), else FREE."""
+        probe (then `succeeded`, `failed` or `abandoned` must follow), else FREE. `last_resort`:
+        the request has nowhere else to go, so the probe is its as soon as none is out, before
+        the cooldown ends."""
         state = self._states.get(deployment)
         if state is None or not state.tripped:
             return FREE
-        if state.probing or state.until > self._clock():
+        if state.probing or (state.until > self._clock() and not last_resort):
             return DENIED
         state.probing = True
         return PROBE
+
+    def may_probe(self, deployment: str) -> bool:
+        """Whether a last-resort attempt on `deployment` could begin now (no probe is out)."""
+        state = self._states.get(deployment)
+        return state is None or not state.tripped or not state.probing
+
+    def next_verdict(self) -> asyncio.Future[None]:
+        """A future done when some probe next ends (succeeded, failed or abandoned)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        return waiter
+
+    async def settled(self, timeout_s: float) -> bool:
+        """Wait for `next_verdict`, at most `timeout_s`; False when the time ran out first. The
+        one place a guard waits: only requests with nowhere else to go, while every candidate's
+        probe is out."""
+        waiter = self.next_verdict()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except TimeoutError:
+            return False
+        finally:
+            if waiter in self._waiting:  # timed out or cancelled: no longer waiting
+                self._waiting.remove(waiter)
+        return True
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting now for a probe's verdict."""
+        return len(self._waiting)
+
+    def _probe_ended(self) -> None:
+        """Wake every request waiting for a verdict (each looks again at what it may do)."""
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def probes_out(self) -> int:
         """Half-open probes currently claimed (zero whenever no attempt is in flight)."""
@@ -107,12 +157,16 @@ class Cooldowns:
         # probe (or any attempt once the cooldown is over) closes it.
         if state is not None and (state.probing or state.until <= self._clock()):
             del self._states[deployment]
+            if self._waiting:
+                self._probe_ended()
 
     def abandoned(self, deployment: str) -> None:
         """The attempt ended without a verdict (cancelled): another may probe."""
         state = self._states.get(deployment)
-        if state is not None:
+        if state is not None and state.probing:
             state.probing = False
+            if self._waiting:
+                self._probe_ended()
 
     def failed(self, deployment: str, error: ProviderError) -> None:
         if error.kind == TTFT_DEADLINE:
@@ -123,6 +177,8 @@ class Cooldowns:
             state = self._states[deployment] = _Breaker()
         now = self._clock()
         probe, state.probing = state.probing, False
+        if probe and self._waiting:
+            self._probe_ended()
         if isinstance(error, RateLimitedError) and error.retry_after_s:
             if state.until <= now:
                 self.opened[deployment] = self.opened.get(deployment, 0) + 1
@@ -130,12 +186,15 @@ class Cooldowns:
             state.failures = 0
             state.until = max(state.until, now + min(error.retry_after_s, self._spec.max_s))
             return
-        if state.until > now and not probe:
-            return  # began before the breaker opened: it is open already, for the right time
+        if state.until > now:
+            # Began before the breaker opened, or probed early as a last resort: it is open
+            # already, for the right time (a last resort's failures do not stretch it).
+            return
         state.failures += 1
         if state.tripped or state.failures >= self._spec.failures:
-            wait = self._spec.base_s * 2**state.trips * self._rng.uniform(0.9, 1.1)
-            state.until = now + min(wait, self._spec.max_s)
+            spec = self._spec
+            wait = spec.base_s * 2 ** min(state.trips, MAX_DOUBLINGS) * self._rng.uniform(0.9, 1.1)
+            state.until = now + min(wait, spec.probe_interval_s, spec.max_s)
             state.trips += 1
             state.tripped = True
             state.failures = 0
@@ -145,6 +204,26 @@ class Cooldowns:
         """The end of each cooldown in progress, as Unix time (for `/admin/latency`)."""
         now, wall = self._clock(), time.time()
         return {d: wall + (s.until - now) for d, s in self._states.items() if s.until > now}
+
+
+class LastResort:
+    """How a request with nowhere else to go (every candidate cooling down) begins its attempts:
+    each takes its deployment's probe as soon as none is out, cooldown or not; `beside`: the
+    request waited long enough for a probe's verdict, so its first attempt goes beside the probe
+    that is out (a probe that slow is no evidence the deployment is down)."""
+
+    __slots__ = ("_beside", "_cooldowns")
+
+    def __init__(self, cooldowns: Cooldowns, *, beside: bool) -> None:
+        self._cooldowns = cooldowns
+        self._beside = beside
+
+    def __call__(self, deployment: str) -> Admission:
+        admitted = self._cooldowns.begin(deployment, last_resort=True)
+        if not admitted and self._beside:
+            admitted = FREE
+        self._beside = False  # only the first attempt goes beside
+        return admitted
 
 
 class RetryBudget:

@@ -182,11 +182,13 @@ class _LoopbackServer:
         self.events = _Watchers()
         self.accepted = 0  # connections accepted
         self.open = 0  # connections open now
+        self.port = 0
         self.url = ""
 
     async def __aenter__(self) -> Self:
         self._server = await asyncio.start_server(self._connected, "127.0.0.1", 0)
-        self.url = self._url(self._server.sockets[0].getsockname()[1])
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.url = self._url(self.port)
         return self
 
     async def __aexit__(
@@ -199,6 +201,17 @@ class _LoopbackServer:
 
     async def wait_for(self, predicate: Callable[[Self], bool], within_s: float = 5) -> None:
         await self.events.wait_for(lambda: predicate(self), within_s=within_s)
+
+    def stop_listening(self) -> None:
+        """Close the port: new connections are refused (ECONNREFUSED) until `listen_again`."""
+        assert self._server is not None
+        self._server.close()
+
+    async def listen_again(self) -> None:
+        """Accept connections again, on the same port."""
+        assert self._server is not None
+        await self._server.wait_closed()
+        self._server = await asyncio.start_server(self._connected, "127.0.0.1", self.port)
 
     def _url(self, port: int) -> str:
         raise NotImplementedError
