@@ -27,9 +27,11 @@ come from the running gateway's config (the lifespan state), with the defaults o
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import weakref
+from typing import Any, Final
 
 import httptools
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.config import ServerSpec
@@ -42,11 +44,35 @@ from gateway.errors import (
 )
 
 _DEFAULTS = ServerSpec()
+# Pipelined requests parsed and waiting on one connection, at most: beyond, the rest of what was
+# received is held unparsed (at most one read of the transport's) and reading pauses, so a flood
+# fills the kernel's socket buffers, not the process's memory. Pipelining clients gain nothing
+# from a deeper queue: the next requests are parsed as soon as one is answered.
+MAX_PIPELINED: Final = 16
 _REASONS = {
     400: b"Bad Request",
     408: b"Request Timeout",
     431: b"Request Header Fields Too Large",
 }
+
+
+def _nothing() -> None:
+    pass
+
+
+class _HeldFlow(FlowControl):
+    """uvicorn's flow control, except that reading stays paused while pipelined requests wait
+    or bytes are held unparsed: uvicorn resumes it whenever an answer completes or the request
+    in flight asks for more of its body, which let a pipelining client queue without bound."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedHttpToolsProtocol) -> None:
+        super().__init__(transport)
+        self._protocol = weakref.ref(protocol)  # weakly: the protocol holds this
+
+    def resume_reading(self) -> None:
+        protocol = self._protocol()
+        if protocol is None or not protocol.reading_held():
+            super().resume_reading()
 
 
 class _RefusedError(Exception):
@@ -59,16 +85,22 @@ class _StagedClose(asyncio.Transport):
 
     def __init__(self, protocol: GuardedHttpToolsProtocol) -> None:
         super().__init__()
-        self._protocol = protocol
+        # Weakly: the protocol holds this, and a strong link back would be a reference cycle.
+        self._protocol = weakref.ref(protocol)
+        self._transport = protocol.transport
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        self._protocol.transport.write(data)
+        self._transport.write(data)
 
     def is_closing(self) -> bool:
-        return self._protocol.transport.is_closing()
+        return self._transport.is_closing()
 
     def close(self) -> None:
-        self._protocol.close_after_answer()
+        protocol = self._protocol()
+        if protocol is not None:
+            protocol.close_after_answer()
+        else:
+            self._transport.close()
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -90,27 +122,68 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # The request whose body is still arriving, its keep-alive held back until it is in.
         self._body_pending: RequestResponseCycle | None = None
         self._keep_alive = False  # what that request's keep-alive will be once its body is in
-        self._staged = _StagedClose(self)
+        self._staged: _StagedClose = None  # type: ignore[assignment]  # set with the transport
+        self._held = b""  # received, not parsed: `MAX_PIPELINED` requests were waiting
+        self._release_handle: asyncio.Handle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _HeldFlow(transport, self)
+        self._staged = _StagedClose(self)
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
+        if self._release_handle is not None:
+            self._release_handle.cancel()
         super().connection_lost(exc)
+        # Requests still queued never run: each holds the protocol (its `on_response`), which
+        # holds the queue, a reference cycle that only a full collection would free.
+        for cycle, _ in self.pipeline:
+            cycle.on_response = _nothing
+        self.pipeline.clear()
+        self._held = b""
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's own, except that what arrives after an answer that closes is dropped (and a
-        # refusal is not also a 400), and that the keep-alive timer is left alone: bytes that
-        # begin no request must not keep an idle connection open.
+        # refusal is not also a 400), that the keep-alive timer is left alone (bytes that begin
+        # no request must not keep an idle connection open), and that parsing stops once
+        # `MAX_PIPELINED` requests wait (see `_parse`).
         if self._refused:
             self._linger()
             return
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
+        """Parse `data` in pieces so that at most `MAX_PIPELINED` requests ever wait; what is
+        left once they do is held, unparsed, with reading paused, until they have been answered.
+
+        The parser cannot be stopped within what it is given, so a piece holds at most
+        2 * room - 1 line feeds: every request has at least two before its headers are complete
+        (llhttp requires CRLF), so no more than `room` requests can be queued by one piece (one
+        more completed by the request already under way).
+        """
+        start, end = 0, len(data)
+        view = memoryview(data)
         try:
-            self.parser.feed_data(data)
+            while start < end:
+                room = MAX_PIPELINED - len(self.pipeline)
+                if room <= 0:
+                    self._held = bytes(view[start:])
+                    self.flow.pause_reading()
+                    return
+                stop = start
+                for _ in range(2 * room - 1):
+                    stop = data.find(b"\n", stop) + 1
+                    if not stop:
+                        stop = end
+                        break
+                self.parser.feed_data(view[start:stop])
+                if self._refused or self.parser is None:
+                    return
+                start = stop
         except httptools.HttpParserError as exc:
             if self._refused:
                 return
@@ -121,6 +194,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
+
+    def _release(self) -> None:
+        """Parse what was held back, now that a queued request has started; read again once
+        nothing is queued or held."""
+        self._release_handle = None
+        if self._refused or self.parser is None or self.transport.is_closing():
+            return
+        held, self._held = self._held, b""
+        if held:
+            self._parse(held)
+        if not self.pipeline and not self._held:
+            self.flow.resume_reading()
+
+    def reading_held(self) -> bool:
+        """Whether reading must stay paused: requests wait, or bytes are held unparsed."""
+        return not self._refused and bool(self.pipeline or self._held)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -164,6 +253,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self.transport.is_closing():
+            pass
+        elif self._held:
+            # The next queued request has started, so there is room: parse what was held back
+            # (soon, not within the answer's `send`).
+            if self._release_handle is None:
+                self._release_handle = self.loop.call_soon(self._release)
+        elif not self.pipeline:
+            self.flow.resume_reading()  # uvicorn's came while the queue was not yet empty
         if self._refused:
             self._unset_keepalive_if_required()  # the staged close has its own deadline
         elif self._in_headers and not self.transport.is_closing():
@@ -242,6 +340,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             transport.close()
             return
         transport.write_eof()
+        self._held = b""
         self.flow.resume_reading()
         self._linger_until = self.loop.time() + self._read_timeout_s
         self._linger()
