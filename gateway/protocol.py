@@ -125,6 +125,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._staged: _StagedClose = None  # type: ignore[assignment]  # set with the transport
         self._held = b""  # received, not parsed: `MAX_PIPELINED` requests were waiting
         self._release_handle: asyncio.Handle | None = None
+        self._running: RequestResponseCycle | None = None  # the request last started
+        self._deferred: GatewayError | None = None  # a refusal waiting for earlier answers
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -145,6 +147,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             cycle.on_response = _nothing
         self.pipeline.clear()
         self._held = b""
+        running, self._running = self._running, None
+        if running is not None and not running.response_complete:
+            # uvicorn tells only the request it parsed last, which may be a queued one.
+            running.disconnected = True
+            running.message_event.set()
+        self._deferred = None
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's own, except that what arrives after an answer that closes is dropped (and a
@@ -154,7 +162,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             self._linger()
             return
-        self._parse(data)
+        if self._deferred is None:
+            self._parse(data)
 
     def _parse(self, data: bytes) -> None:
         """Parse `data` in pieces so that at most `MAX_PIPELINED` requests ever wait; what is
@@ -181,11 +190,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                         stop = end
                         break
                 self.parser.feed_data(view[start:stop])
-                if self._refused or self.parser is None:
+                if self._refused or self._deferred is not None or self.parser is None:
                     return
                 start = stop
         except httptools.HttpParserError as exc:
-            if self._refused:
+            if self._refused or self._deferred is not None:
                 return
             self.logger.warning("Invalid HTTP request received: %s.", exc)
             self.send_400_response(f"The request is not valid HTTP/1.1: {exc}.")
@@ -199,7 +208,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Parse what was held back, now that a queued request has started; read again once
         nothing is queued or held."""
         self._release_handle = None
-        if self._refused or self.parser is None or self.transport.is_closing():
+        if self._refused or self._deferred or self.parser is None or self.transport.is_closing():
             return
         held, self._held = self._held, b""
         if held:
@@ -207,9 +216,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not self.pipeline and not self._held:
             self.flow.resume_reading()
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes received and held unparsed while `MAX_PIPELINED` requests wait."""
+        return len(self._held)
+
     def reading_held(self) -> bool:
         """Whether reading must stay paused: requests wait, or bytes are held unparsed."""
-        return not self._refused and bool(self.pipeline or self._held)
+        return not self._refused and bool(self.pipeline or self._held or self._deferred)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -255,6 +269,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self.transport.is_closing():
             pass
+        elif self._deferred is not None:
+            if not self._owed():
+                error, self._deferred = self._deferred, None
+                self._refuse(error)
         elif self._held:
             # The next queued request has started, so there is room: parse what was held back
             # (soon, not within the answer's `send`).
@@ -276,16 +294,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request the parser rejected, in the OpenAI shape."""
-        cycle = self.cycle
+        cycle = self._body_pending
         if cycle is not None and not cycle.response_complete:
-            # A request in flight (its body was malformed): the app must not answer as well,
-            # and an answer it has begun cannot be followed by another.
+            # Its body was malformed: the app must not answer as well, and an answer it has
+            # begun cannot be followed by another. Queued, it never starts: the 400 is its answer.
+            self._body_pending = None
             cycle.disconnected = True
             cycle.message_event.set()
-            if cycle.response_started:
+            if self.pipeline and self.pipeline[0][0] is cycle:
+                self.pipeline.popleft()
+                cycle.on_response = _nothing
+            elif cycle.response_started:
                 self.transport.close()
                 return
         self._refuse(InvalidRequestError(msg, code="invalid_http_request"))
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def _owed(self) -> bool:
+        """Whether earlier requests are still to be answered (in flight or queued)."""
+        running = self._running
+        return bool(self.pipeline) or (
+            running is not None and not running.response_complete and not running.disconnected
+        )
 
     def _count(self, size: int) -> None:
         self._header_bytes += size
@@ -318,6 +351,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, error: GatewayError) -> None:
         if self._refused or self.transport.is_closing():
+            return
+        if self._owed():
+            # Answers to earlier pipelined requests come first: this one waits its turn, and
+            # nothing more is read or parsed meanwhile.
+            if self._deferred is None:
+                self._deferred = error
+            self._held = b""
+            self.flow.pause_reading()
             return
         body = render(error, "openai")
         self.transport.write(
