@@ -18,7 +18,13 @@ Two more holes are closed:
 - An idle keep-alive connection is closed `server.keepalive_timeout_s` after its last response.
   uvicorn restarts that wait on every byte received; here only the start of a request stops it,
   and that request's headers then have the header deadline.
-Malformed requests get uvicorn's 400, in the OpenAI shape like every other error.
+Malformed requests get uvicorn's 400, in the OpenAI shape like every other error; behind
+pipelined requests, after their answers.
+
+Pipelining is bounded: uvicorn parsed every byte it read and queued each pipelined request
+(about 2.5 KB of objects for a 37-byte `GET`), resuming reads whenever an answer completed, so
+one connection could queue without bound. Here at most `MAX_PIPELINED` requests wait; the rest
+of what was read stays unparsed with reading paused until they are answered.
 
 Serve with `uvicorn.Config(..., http="gateway.protocol:GuardedHttpToolsProtocol")`; the limits
 come from the running gateway's config (the lifespan state), with the defaults otherwise.
@@ -65,7 +71,7 @@ class _HeldFlow(FlowControl):
     or bytes are held unparsed: uvicorn resumes it whenever an answer completes or the request
     in flight asks for more of its body, which let a pipelining client queue without bound."""
 
-    def __init__(self, transport: asyncio.Transport, protocol: GuardedHttpToolsProtocol) -> None:
+    def __init__(self, transport: asyncio.Transport, protocol: BoundedPipelineProtocol) -> None:
         super().__init__(transport)
         self._protocol = weakref.ref(protocol)  # weakly: the protocol holds this
 
@@ -103,41 +109,25 @@ class _StagedClose(asyncio.Transport):
             self._transport.close()
 
 
-class GuardedHttpToolsProtocol(HttpToolsProtocol):
+class BoundedPipelineProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with at most `MAX_PIPELINED` requests parsed and waiting
+    on a connection, and no reference cycle left when the connection ends."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        spec = _DEFAULTS
-        runtime = self.app_state.get("runtime")
-        if runtime is not None:
-            spec = runtime.services.settings.server
-        self._max_header_bytes = spec.max_header_bytes
-        self._read_timeout_s = spec.read_timeout_s
-        self.timeout_keep_alive = spec.keepalive_timeout_s  # type: ignore[assignment]
-        self._header_bytes = 0
-        self._header_timer: asyncio.TimerHandle | None = None
-        self._refused = False  # answered and closing: what arrives is dropped
-        self._linger_timer: asyncio.TimerHandle | None = None
-        self._linger_until = 0.0
-        self._in_headers = False  # a request has begun and its headers are not complete
-        # The request whose body is still arriving, its keep-alive held back until it is in.
-        self._body_pending: RequestResponseCycle | None = None
-        self._keep_alive = False  # what that request's keep-alive will be once its body is in
-        self._staged: _StagedClose = None  # type: ignore[assignment]  # set with the transport
         self._held = b""  # received, not parsed: `MAX_PIPELINED` requests were waiting
         self._release_handle: asyncio.Handle | None = None
         self._running: RequestResponseCycle | None = None  # the request last started
-        self._deferred: GatewayError | None = None  # a refusal waiting for earlier answers
+
+    def _stopped(self) -> bool:
+        """Whether nothing more is to be parsed on this connection (it is being refused)."""
+        return False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = _HeldFlow(transport, self)
-        self._staged = _StagedClose(self)
-        self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
         if self._release_handle is not None:
             self._release_handle.cancel()
         super().connection_lost(exc)
@@ -152,18 +142,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # uvicorn tells only the request it parsed last, which may be a queued one.
             running.disconnected = True
             running.message_event.set()
-        self._deferred = None
-
-    def data_received(self, data: bytes) -> None:
-        # uvicorn's own, except that what arrives after an answer that closes is dropped (and a
-        # refusal is not also a 400), that the keep-alive timer is left alone (bytes that begin
-        # no request must not keep an idle connection open), and that parsing stops once
-        # `MAX_PIPELINED` requests wait (see `_parse`).
-        if self._refused:
-            self._linger()
-            return
-        if self._deferred is None:
-            self._parse(data)
 
     def _parse(self, data: bytes) -> None:
         """Parse `data` in pieces so that at most `MAX_PIPELINED` requests ever wait; what is
@@ -190,11 +168,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                         stop = end
                         break
                 self.parser.feed_data(view[start:stop])
-                if self._refused or self._deferred is not None or self.parser is None:
+                if self._stopped() or self.parser is None:
                     return
                 start = stop
         except httptools.HttpParserError as exc:
-            if self._refused or self._deferred is not None:
+            if self._stopped():
                 return
             self.logger.warning("Invalid HTTP request received: %s.", exc)
             self.send_400_response(f"The request is not valid HTTP/1.1: {exc}.")
@@ -208,7 +186,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Parse what was held back, now that a queued request has started; read again once
         nothing is queued or held."""
         self._release_handle = None
-        if self._refused or self._deferred or self.parser is None or self.transport.is_closing():
+        if self._stopped() or self.parser is None or self.transport.is_closing():
             return
         held, self._held = self._held, b""
         if held:
@@ -223,7 +201,79 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def reading_held(self) -> bool:
         """Whether reading must stay paused: requests wait, or bytes are held unparsed."""
-        return not self._refused and bool(self.pipeline or self._held or self._deferred)
+        return bool(self.pipeline or self._held)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def _owed(self) -> bool:
+        """Whether earlier requests are still to be answered (in flight or queued)."""
+        running = self._running
+        return bool(self.pipeline) or (
+            running is not None and not running.response_complete and not running.disconnected
+        )
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing() or self._stopped():
+            return
+        if self._held:
+            # The next queued request has started, so there is room: parse what was held back
+            # (soon, not within the answer's `send`).
+            if self._release_handle is None:
+                self._release_handle = self.loop.call_soon(self._release)
+        elif not self.pipeline:
+            self.flow.resume_reading()  # uvicorn's came while the queue was not yet empty
+
+
+class GuardedHttpToolsProtocol(BoundedPipelineProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        spec = _DEFAULTS
+        runtime = self.app_state.get("runtime")
+        if runtime is not None:
+            spec = runtime.services.settings.server
+        self._max_header_bytes = spec.max_header_bytes
+        self._read_timeout_s = spec.read_timeout_s
+        self.timeout_keep_alive = spec.keepalive_timeout_s  # type: ignore[assignment]
+        self._header_bytes = 0
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._refused = False  # answered and closing: what arrives is dropped
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_until = 0.0
+        self._in_headers = False  # a request has begun and its headers are not complete
+        # The request whose body is still arriving, its keep-alive held back until it is in.
+        self._body_pending: RequestResponseCycle | None = None
+        self._keep_alive = False  # what that request's keep-alive will be once its body is in
+        self._staged: _StagedClose = None  # type: ignore[assignment]  # set with the transport
+        self._deferred: GatewayError | None = None  # a refusal waiting for earlier answers
+
+    def _stopped(self) -> bool:
+        return self._refused or self._deferred is not None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._staged = _StagedClose(self)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        self._deferred = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        # uvicorn's own, except that what arrives after an answer that closes is dropped (and a
+        # refusal is not also a 400), that the keep-alive timer is left alone (bytes that begin
+        # no request must not keep an idle connection open), and that parsing stops once
+        # `MAX_PIPELINED` requests wait (see `_parse`).
+        if self._refused:
+            self._linger()
+            return
+        if self._deferred is None:
+            self._parse(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -267,19 +317,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.transport.is_closing():
-            pass
-        elif self._deferred is not None:
-            if not self._owed():
-                error, self._deferred = self._deferred, None
-                self._refuse(error)
-        elif self._held:
-            # The next queued request has started, so there is room: parse what was held back
-            # (soon, not within the answer's `send`).
-            if self._release_handle is None:
-                self._release_handle = self.loop.call_soon(self._release)
-        elif not self.pipeline:
-            self.flow.resume_reading()  # uvicorn's came while the queue was not yet empty
+        if self._deferred is not None and not self._owed() and not self.transport.is_closing():
+            error, self._deferred = self._deferred, None
+            self._refuse(error)
         if self._refused:
             self._unset_keepalive_if_required()  # the staged close has its own deadline
         elif self._in_headers and not self.transport.is_closing():
@@ -309,17 +349,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 return
         self._refuse(InvalidRequestError(msg, code="invalid_http_request"))
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        self._running = cycle
-        super()._start_asgi_task(cycle, app)
-
-    def _owed(self) -> bool:
-        """Whether earlier requests are still to be answered (in flight or queued)."""
-        running = self._running
-        return bool(self.pipeline) or (
-            running is not None and not running.response_complete and not running.disconnected
-        )
-
     def _count(self, size: int) -> None:
         self._header_bytes += size
         if self._header_bytes > self._max_header_bytes:
@@ -348,6 +377,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 f"The request's headers did not arrive within {self._read_timeout_s:g} s."
             )
         )
+
+    def reading_held(self) -> bool:
+        return not self._refused and (super().reading_held() or self._deferred is not None)
 
     def _refuse(self, error: GatewayError) -> None:
         if self._refused or self.transport.is_closing():
