@@ -115,7 +115,9 @@ class BoundedPipelineProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._held = b""  # received, not parsed: `MAX_PIPELINED` requests were waiting
+        # Received, not parsed from `_held_from` on: `MAX_PIPELINED` requests were waiting.
+        self._held = b""
+        self._held_from = 0
         self._release_handle: asyncio.Handle | None = None
         self._running: RequestResponseCycle | None = None  # the request last started
 
@@ -136,14 +138,14 @@ class BoundedPipelineProtocol(HttpToolsProtocol):
         for cycle, _ in self.pipeline:
             cycle.on_response = _nothing
         self.pipeline.clear()
-        self._held = b""
+        self._drop_held()
         running, self._running = self._running, None
         if running is not None and not running.response_complete:
             # uvicorn tells only the request it parsed last, which may be a queued one.
             running.disconnected = True
             running.message_event.set()
 
-    def _parse(self, data: bytes) -> None:
+    def _parse(self, data: bytes, start: int = 0) -> None:
         """Parse `data` in pieces so that at most `MAX_PIPELINED` requests ever wait; what is
         left once they do is held, unparsed, with reading paused, until they have been answered.
 
@@ -152,13 +154,13 @@ class BoundedPipelineProtocol(HttpToolsProtocol):
         (llhttp requires CRLF), so no more than `room` requests can be queued by one piece (one
         more completed by the request already under way).
         """
-        start, end = 0, len(data)
+        end = len(data)
         view = memoryview(data)
         try:
             while start < end:
                 room = MAX_PIPELINED - len(self.pipeline)
                 if room <= 0:
-                    self._held = bytes(view[start:])
+                    self._held, self._held_from = data, start
                     self.flow.pause_reading()
                     return
                 stop = start
@@ -188,16 +190,20 @@ class BoundedPipelineProtocol(HttpToolsProtocol):
         self._release_handle = None
         if self._stopped() or self.parser is None or self.transport.is_closing():
             return
-        held, self._held = self._held, b""
+        held, start = self._held, self._held_from
+        self._held, self._held_from = b"", 0
         if held:
-            self._parse(held)
+            self._parse(held, start)
         if not self.pipeline and not self._held:
             self.flow.resume_reading()
+
+    def _drop_held(self) -> None:
+        self._held, self._held_from = b"", 0
 
     @property
     def held_bytes(self) -> int:
         """Bytes received and held unparsed while `MAX_PIPELINED` requests wait."""
-        return len(self._held)
+        return len(self._held) - self._held_from
 
     def reading_held(self) -> bool:
         """Whether reading must stay paused: requests wait, or bytes are held unparsed."""
@@ -219,9 +225,9 @@ class BoundedPipelineProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or self._stopped():
             return
         if self._held:
-            # The next queued request has started, so there is room: parse what was held back
-            # (soon, not within the answer's `send`).
-            if self._release_handle is None:
+            # The next queued request has started: once half the queue is free, parse what was
+            # held back (soon, not within the answer's `send`), several requests at a time.
+            if self._release_handle is None and len(self.pipeline) <= MAX_PIPELINED // 2:
                 self._release_handle = self.loop.call_soon(self._release)
         elif not self.pipeline:
             self.flow.resume_reading()  # uvicorn's came while the queue was not yet empty
@@ -389,7 +395,7 @@ class GuardedHttpToolsProtocol(BoundedPipelineProtocol):
             # nothing more is read or parsed meanwhile.
             if self._deferred is None:
                 self._deferred = error
-            self._held = b""
+            self._drop_held()
             self.flow.pause_reading()
             return
         body = render(error, "openai")
@@ -413,7 +419,7 @@ class GuardedHttpToolsProtocol(BoundedPipelineProtocol):
             transport.close()
             return
         transport.write_eof()
-        self._held = b""
+        self._drop_held()
         self.flow.resume_reading()
         self._linger_until = self.loop.time() + self._read_timeout_s
         self._linger()
