@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Final
 
 import orjson
+import pytest
 import uvicorn
 
 from gateway.api import create_app
@@ -36,7 +37,8 @@ from tests.faults.leaks import request_tasks, settle, task_names
 KEY: Final = "tg-pipelining-key-for-tests"
 LIMITED: Final = "tg-pipelining-limited-key"  # rpm 1: its second request is a 429
 MAX_BODY: Final = 2000
-SLOW: Final = "s@tokens_per_s=20,output_tokens=200"
+SLOW: Final = "s@tokens_per_s=20,output_tokens=200"  # 10 s
+PACED: Final = "s@tokens_per_s=20,output_tokens=30"  # 1.5 s
 # asyncio's socket transport (the standard library's, so not in its typing stubs), and what one
 # read of it returns at most: what may be held unparsed.
 TRANSPORT: Final[Any] = selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
@@ -51,6 +53,7 @@ def settings() -> Settings:
             {"name": "m", "deployments": [{"provider": "sim", "model": "m"}]},
             # Streams for seconds: a client can leave in the middle.
             {"name": "slow", "deployments": [{"provider": "sim", "model": SLOW}]},
+            {"name": "paced", "deployments": [{"provider": "sim", "model": PACED}]},
         ],
         server={"access_log": False, "max_body_bytes": MAX_BODY},
         auth={
@@ -63,9 +66,16 @@ def settings() -> Settings:
 
 
 class Recording(GuardedHttpToolsProtocol):
-    """The gateway's protocol, noting the most requests that ever waited on a connection."""
+    """The gateway's protocol, noting the most requests that ever waited on a connection, and
+    the bytes it read while some did."""
 
     deepest = 0
+    read_while_queued = 0
+
+    def data_received(self, data: bytes) -> None:
+        if self.pipeline:
+            Recording.read_while_queued += len(data)
+        super().data_received(data)
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -184,6 +194,62 @@ async def test_a_pipelining_flood_queues_a_bounded_number_of_requests() -> None:
             assert answer.count(b"HTTP/1.1 200 OK\r\n") == FLOOD
         assert Recording.deepest <= MAX_PIPELINED
         await settle(lambda: not server.server_state.connections, within_s=SETTLE_S)
+
+
+def statuses(answer: bytes) -> list[int]:
+    """The status of every answer in `answer`, in order (an answer may follow a body directly)."""
+    return [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)]
+
+
+STREAM: Final = request(
+    "POST",
+    "/v1/chat/completions",
+    {"model": "paced", "messages": [{"role": "user", "content": "Hi."}], "stream": True},
+)
+REFUSED: Final = {
+    "400": b"GET /healthz HTTP/1.1\r\nbad header\r\n\r\n",
+    "431": b"GET /healthz HTTP/1.1\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+async def test_a_refusal_behind_pipelined_requests_comes_after_their_answers(case: str) -> None:
+    """A stream in flight and a request queued, then one the protocol refuses: the stream is
+    answered whole, then the queued request, then the refusal, and the connection closes (the
+    refusal used to come first, cutting the stream, and the queued answer failed after it)."""
+    async with gateway() as (port, _):
+        answer = await exchange(port, STREAM + request("GET", "/healthz") + REFUSED[case])
+    assert statuses(answer) == [200, 200, int(case)]
+    stream, _, rest = answer.partition(b"\r\n0\r\n\r\n")
+    assert b"data: [DONE]" in stream
+    assert rest.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+async def test_nothing_more_is_read_while_pipelined_requests_wait() -> None:
+    """A stream in flight, a request queued behind it whose 100 kB body is still coming: the
+    gateway reads none of that body until the queued request starts (uvicorn read on whenever
+    the request in flight listened for a disconnect, filling the queued request's buffer)."""
+    Recording.read_while_queued = 0
+    body = b"x" * 100_000
+    queued = request("POST", "/v1/embeddings", key=None).replace(
+        b"\r\n\r\n", b"\r\ncontent-length: %d\r\n\r\n" % len(body), 1
+    )
+    loop = asyncio.get_running_loop()
+    async with gateway() as (port, server):
+        sock = await connect(port)
+        try:
+            await loop.sock_sendall(sock, STREAM + queued)
+            await settle(
+                lambda: any(p.pipeline for p in protocols(server)),
+                within_s=SETTLE_S,
+                what="the second request queued",
+            )
+            await loop.sock_sendall(sock, body)
+            answer = await read_until(sock)
+        finally:
+            sock.close()
+    assert statuses(answer) == [200, 401]
+    assert Recording.read_while_queued == 0
 
 
 # --- no reference cycles on the request path ----------------------------------------------------
