@@ -39,6 +39,12 @@ LIMITED: Final = "tg-pipelining-limited-key"  # rpm 1: its second request is a 4
 MAX_BODY: Final = 2000
 SLOW: Final = "s@tokens_per_s=20,output_tokens=200"  # 10 s
 PACED: Final = "s@tokens_per_s=20,output_tokens=30"  # 1.5 s
+UPSTREAM_FAULTS: Final = {  # models whose upstream always fails so
+    "fails-500": "error_500_rate=1",
+    "fails-429": "error_429_rate=1",
+    "fails-inband": "inband_error_rate=1",
+    "fails-400": "max_input_tokens=1",
+}
 # asyncio's socket transport (the standard library's, so not in its typing stubs), and what one
 # read of it returns at most: what may be held unparsed.
 TRANSPORT: Final[Any] = selector_events._SelectorSocketTransport  # type: ignore[attr-defined]
@@ -54,6 +60,17 @@ def settings() -> Settings:
             # Streams for seconds: a client can leave in the middle.
             {"name": "slow", "deployments": [{"provider": "sim", "model": SLOW}]},
             {"name": "paced", "deployments": [{"provider": "sim", "model": PACED}]},
+            *(
+                {"name": name, "deployments": [{"provider": "sim", "model": f"s@{fault}"}]}
+                for name, fault in UPSTREAM_FAULTS.items()
+            ),
+            {  # the first deployment fails, the second answers
+                "name": "fails-over",
+                "deployments": [
+                    {"provider": "sim", "model": "s@error_500_rate=1", "prior": {"ttft_ms": 1}},
+                    {"provider": "sim", "model": "m", "prior": {"ttft_ms": 50}},
+                ],
+            },
         ],
         server={"access_log": False, "max_body_bytes": MAX_BODY},
         auth={
@@ -276,6 +293,20 @@ KINDS: Final = {
     "405": request("GET", "/v1/chat/completions"),
     "413": request("POST", "/v1/chat/completions", {**CHAT, "user": "x" * MAX_BODY}),
     "429": request("POST", "/v1/chat/completions", CHAT, key=LIMITED),
+    **{
+        f"upstream-{name}{stream}": request(
+            "POST", "/v1/chat/completions", {**CHAT, "model": name, "stream": bool(stream)}
+        )
+        for name in UPSTREAM_FAULTS
+        for stream in ("", "-stream")
+    },
+    "upstream-failover": request("POST", "/v1/chat/completions", {**CHAT, "model": "fails-over"}),
+    "upstream-messages": request(
+        "POST", "/v1/messages", {**CHAT, "model": "fails-500", "max_tokens": 5}
+    ),
+    "upstream-responses": request(
+        "POST", "/v1/responses", {"model": "fails-inband", "input": "Hi.", "stream": True}
+    ),
 }
 # Ends a connection: an unparseable request gets a 400 and a close.
 UNPARSEABLE: Final = b"GET /healthz HTTP/1.1\r\nbad header\r\n\r\n"
