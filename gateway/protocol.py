@@ -55,6 +55,7 @@ _DEFAULTS = ServerSpec()
 # fills the kernel's socket buffers, not the process's memory. Pipelining clients gain nothing
 # from a deeper queue: the next requests are parsed as soon as one is answered.
 MAX_PIPELINED: Final = 16
+_WHOLE: Final = 8192  # a read this short with too few line feeds to fill the queue is fed whole
 _REASONS = {
     400: b"Bad Request",
     408: b"Request Timeout",
@@ -155,8 +156,16 @@ class BoundedPipelineProtocol(HttpToolsProtocol):
         more completed by the request already under way).
         """
         end = len(data)
-        view = memoryview(data)
         try:
+            if (  # the common case, as one piece would be: one request, fed as it came
+                not start
+                and not self.pipeline
+                and end <= _WHOLE
+                and data.count(b"\n") < 2 * MAX_PIPELINED
+            ):
+                self.parser.feed_data(data)
+                return
+            view = memoryview(data)
             while start < end:
                 room = MAX_PIPELINED - len(self.pipeline)
                 if room <= 0:
