@@ -309,7 +309,10 @@ class RateLimiter:
         if not verdict.allowed:
             refusal = verdict.refusal(principal, wire)
             self._count(principal.name, refusal.type)
-            raise refusal
+            try:
+                raise refusal
+            finally:
+                del refusal  # else this frame, in the traceback, holds it: a reference cycle
         return verdict
 
     def _count(self, name: str, kind: str) -> None:

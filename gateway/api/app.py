@@ -278,9 +278,10 @@ def create_app_from_env() -> ASGIApp:
 
 def tune_gc() -> None:
     """Process-wide garbage-collector settings for a serving process (call once, after start-up
-    imports). The request path makes no reference cycles, so the default thresholds only buy
-    frequent full collections over the long-lived objects: 30-100 ms pauses under load. Freezing
-    what exists at start-up and raising the first threshold removes them."""
+    imports). The request path makes no reference cycles (tests/faults/test_pipelining.py checks
+    it), so the default thresholds only buy frequent full collections over the long-lived
+    objects: 30-100 ms pauses under load. Freezing what exists at start-up and raising the first
+    threshold removes them."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)

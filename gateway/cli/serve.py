@@ -57,7 +57,8 @@ def serve(
         "host": bind_host,
         "port": bind_port,
         "loop": "uvloop",
-        # uvicorn's httptools protocol plus limits on header size and header read time.
+        # uvicorn's httptools protocol plus limits on header size, header read time and the
+        # requests one connection may have queued.
         "http": "gateway.protocol:GuardedHttpToolsProtocol",
         "lifespan": "on",
         "access_log": False,

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -59,8 +60,14 @@ async def open_first(
             waited_out = not await _probe_verdict(cooldowns, plan, race.ttft_end)
             race.admit = LastResort(cooldowns, beside=waited_out)
         opened = await race.run()
+    except BaseException as error:
+        # Its traceback holds the race's finished frames, whose locals (the race, its tasks)
+        # hold the error: a reference cycle, freed only by a full collection. Cleared here.
+        traceback.clear_frames(error.__traceback__)
+        raise
     finally:
         await race.settle()
+        race.errors, race.refused = [], None  # this frame is in the traceback too
     ledger.opened = opened
     return opened
 
