@@ -296,27 +296,26 @@ class RateLimiter:
         if limits == (0, 0):
             return Verdict(True, None, None, "local")
         if limits[1] and principal.tpm is not None and tokens > principal.tpm:
-            self._count(principal.name, "tokens")
-            raise KeyRateLimitedError(
-                f"Request too large for key '{principal.name}': it needs about {tokens} tokens "
-                f"and the limit is {principal.tpm} tokens per min (TPM). Send a shorter prompt "
-                "or a lower max_tokens.",
-                kind="tokens",
-                headers={"x-should-retry": "false"},
+            raise self._counted(
+                principal.name,
+                KeyRateLimitedError(
+                    f"Request too large for key '{principal.name}': it needs about {tokens} tokens "
+                    f"and the limit is {principal.tpm} tokens per min (TPM). Send a shorter prompt "
+                    "or a lower max_tokens.",
+                    kind="tokens",
+                    headers={"x-should-retry": "false"},
+                ),
             )
         out, source = await self._check(principal.name, limits, (1, tokens))
         verdict = _verdict(out, limits, source)
         if not verdict.allowed:
-            refusal = verdict.refusal(principal, wire)
-            self._count(principal.name, refusal.type)
-            try:
-                raise refusal
-            finally:
-                del refusal  # else this frame, in the traceback, holds it: a reference cycle
+            # Raised unnamed: a local naming it would be held by its own traceback (a cycle).
+            raise self._counted(principal.name, verdict.refusal(principal, wire))
         return verdict
 
-    def _count(self, name: str, kind: str) -> None:
-        self.refused[(name, kind)] = self.refused.get((name, kind), 0) + 1
+    def _counted(self, name: str, refusal: KeyRateLimitedError) -> KeyRateLimitedError:
+        self.refused[(name, refusal.type)] = self.refused.get((name, refusal.type), 0) + 1
+        return refusal
 
     def settle(self, principal: Principal, delta: int) -> None:
         """Correct a request's token charge once its real usage is known (not awaited)."""

@@ -392,7 +392,7 @@ async def test_other_methods_on_llm_routes_get_405_allow_post(
 
 # --- /readyz: open status, detail for those allowed to see it -----------------------------------
 
-DETAIL = {"providers", "models", "latency_store", "rate_limits", "config"}
+DETAIL = {"providers", "models", "latency_store", "rate_limits", "config", "responses_store"}
 
 
 @pytest.mark.parametrize(
