@@ -68,7 +68,7 @@ def _chat_events(usage: bool) -> tuple[list[bytes], bytes]:
 
 def _messages_events(usage: bool) -> tuple[list[bytes], bytes]:
     """Anthropic Messages events; without usage, `message_delta` carries no output count."""
-    message = {
+    message: dict[str, Any] = {
         "id": "msg_1",
         "type": "message",
         "role": "assistant",
