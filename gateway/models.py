@@ -81,6 +81,7 @@ class Chunk:
     data: dict[str, Any] | None = None
     content: bool = False
     tokens: int = 0  # output tokens (or chunks, when the upstream does not say) this event carries
+    text: int = 0  # UTF-8 bytes of generated text it carries: output tokens are estimated from it
     finish_reason: str | None = None
     usage: Usage | None = None
     error: InBandError | None = None

@@ -290,8 +290,7 @@ def _judge(outcome: RequestOutcome, decision: Decision, now: float) -> dict[str,
     if tpot_s is not None and not gone:
         if not ok:
             verdicts["tpot"] = False
-        elif tally is not None and first and tally.last_token_at and tally.output_tokens > 1:
-            tpot = (tally.last_token_at - first) / (tally.output_tokens - 1)
+        elif tally is not None and (tpot := tally.tpot_s) is not None:
             verdicts["tpot"] = tpot <= tpot_s
     if verdicts:
         deployment = opened.candidate.id if opened is not None else None

@@ -160,22 +160,50 @@ def _openai_error_object(obj: dict[str, Any], scrub: Scrubber) -> InBandError | 
     return None
 
 
-def _delta_has_content(delta: dict[str, Any]) -> bool:
-    if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
-        return True
-    if delta.get("refusal"):
-        return True
+def text_bytes(value: object) -> int:
+    """The UTF-8 length of a string field (0 for anything else): output tokens are estimated
+    from it when the upstream reports none."""
+    if not isinstance(value, str):
+        return 0
+    return len(value) if value.isascii() else len(value.encode("utf-8", "replace"))
+
+
+_TEXT_FIELDS: Final = ("content", "reasoning_content", "reasoning", "refusal")
+
+
+def _function_bytes(function: Any) -> int:
+    """A tool call's name and arguments; -1 when it carries neither."""
+    if not function:
+        return -1
+    name, arguments = function.get("name"), function.get("arguments")
+    return text_bytes(name) + text_bytes(arguments) if name or arguments else -1
+
+
+def _delta_output(delta: dict[str, Any]) -> tuple[bool, int]:
+    """Whether a delta carries generated output, and the bytes of its text."""
+    found = False
+    size = 0
+    for key in _TEXT_FIELDS:
+        value = delta.get(key)
+        if value:
+            found = True
+            size += text_bytes(value)
     tool_calls = delta.get("tool_calls")
     if tool_calls:
         for call in tool_calls:
-            function = call.get("function")
-            if function and (function.get("name") or function.get("arguments")):
-                return True
-    function_call = delta.get("function_call")  # the deprecated single-function form
-    if function_call and (function_call.get("name") or function_call.get("arguments")):
-        return True
+            called = _function_bytes(call.get("function"))
+            if called >= 0:
+                found = True
+                size += called
+    called = _function_bytes(delta.get("function_call"))  # the deprecated single-function form
+    if called >= 0:
+        found = True
+        size += called
     audio = delta.get("audio")
-    return bool(audio and (audio.get("data") or audio.get("transcript")))
+    if audio and (audio.get("data") or audio.get("transcript")):
+        found = True
+        size += text_bytes(audio.get("transcript"))
+    return found, size
 
 
 def _message_has_content(message: dict[str, Any]) -> bool:
@@ -188,6 +216,18 @@ def _message_has_content(message: dict[str, Any]) -> bool:
         or message.get("reasoning")
         or message.get("audio")
     )
+
+
+def _message_bytes(message: dict[str, Any]) -> int:
+    """The bytes of a whole message's text (read only when the body reports no usage)."""
+    size = sum(text_bytes(message.get(key)) for key in _TEXT_FIELDS)
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        size += max(0, _function_bytes(function)) if isinstance(function, dict) else 0
+    function = message.get("function_call")
+    size += max(0, _function_bytes(function)) if isinstance(function, dict) else 0
+    audio = message.get("audio")
+    return size + (text_bytes(audio.get("transcript")) if isinstance(audio, dict) else 0)
 
 
 class OpenAIStreamDecoder:
@@ -211,8 +251,10 @@ class OpenAIStreamDecoder:
             return Chunk(raw=event.raw)  # a keep-alive comment or an empty event
         if data == _DONE:
             return Chunk(raw=event.raw, done=True)
-        if self._lazy and event.event is None and _plain_content(data):
-            return Chunk(raw=event.raw, content=True, tokens=1)
+        if self._lazy and event.event is None:
+            size = _plain_content(data)
+            if size:
+                return Chunk(raw=event.raw, content=True, tokens=1, text=size)
         obj = parse_object(data, "stream event")
         try:
             return _openai_stream_chunk(event, obj, self._scrub)
@@ -228,19 +270,30 @@ _NEEDS_PARSING = re.compile(
 )
 
 
-def _plain_content(data: bytes) -> bool:
-    """Whether an event is, by its bytes, one choice with non-empty text content and nothing else.
+def _plain_content(data: bytes) -> int:
+    """The bytes of an event's text (as escaped in JSON, a fair measure for an estimate) when it
+    is, by its bytes, one choice with non-empty text content and nothing else; else 0.
 
     Conservative: a marker inside a string cannot match, since JSON escapes quotes in strings.
     """
-    start = data.find(_CONTENT)
-    if start < 0 or data[start + len(_CONTENT) : start + len(_CONTENT) + 1] == b'"':
-        return False  # no content, or an empty string
+    start = data.find(_CONTENT) + len(_CONTENT)
+    if start < len(_CONTENT) or data[start : start + 1] == b'"':
+        return 0  # no content, or an empty string
     if data.count(b'"delta":') != 1 or data[:1] != b"{" or data[-1:] != b"}":
-        return False
+        return 0
     if data.count(b"{") != data.count(b"}") or data.count(b"[") != data.count(b"]"):
-        return False  # maybe a cut-off object: parsed, so that it is refused rather than relayed
-    return _NEEDS_PARSING.search(data) is None
+        return 0  # maybe a cut-off object: parsed, so that it is refused rather than relayed
+    if _NEEDS_PARSING.search(data) is not None:
+        return 0
+    end = data.find(b'"', start)
+    while end > 0:
+        escapes = 0  # backslashes before the quote: an odd number escapes it
+        while data[end - 1 - escapes] == 0x5C:
+            escapes += 1
+        if escapes % 2 == 0:
+            break
+        end = data.find(b'"', end + 1)
+    return end - start if end > 0 else 0
 
 
 def _openai_stream_chunk(event: SSEEvent, obj: dict[str, Any], scrub: Scrubber) -> Chunk:
@@ -249,17 +302,17 @@ def _openai_stream_chunk(event: SSEEvent, obj: dict[str, Any], scrub: Scrubber) 
         error = _error_from_fields(obj, "upstream error", scrub)
     if error is not None:
         return Chunk(raw=event.raw, data=obj, error=error)
-    tokens = 0
+    tokens = size = 0
     finish_reason = None
     choices = obj.get("choices")
     if choices:
         for choice in choices:
             delta = choice.get("delta")
             if delta is not None:
-                if _delta_has_content(delta):
-                    tokens += 1
+                found, text = _delta_output(delta)
+                tokens, size = tokens + found, size + text
             elif choice.get("text"):  # a completions chunk
-                tokens += 1
+                tokens, size = tokens + 1, size + text_bytes(choice["text"])
             if finish_reason is None:
                 finish_reason = choice.get("finish_reason")
     usage = obj.get("usage")
@@ -268,6 +321,7 @@ def _openai_stream_chunk(event: SSEEvent, obj: dict[str, Any], scrub: Scrubber) 
         data=obj,
         content=tokens > 0,
         tokens=tokens,
+        text=size,
         finish_reason=finish_reason,
         usage=_openai_usage(usage) if usage else None,
     )
@@ -288,23 +342,27 @@ def decode_openai_body(body: bytes, *, scrub: Scrubber) -> Chunk:
         usage = _openai_usage(usage_fields) if usage_fields else None
         choices = obj.get("choices")
         if isinstance(choices, list):
-            with_content = 0
+            known = usage.output_tokens if usage is not None else None
+            with_content = size = 0
             finish_reason = None
             for choice in choices:
                 message = choice.get("message")
                 if message is not None:
                     if _message_has_content(message):
                         with_content += 1
+                        if known is None:  # no count: the text is measured for an estimate
+                            size += _message_bytes(message)
                 elif choice.get("text"):
                     with_content += 1
+                    size += text_bytes(choice["text"])
                 if finish_reason is None:
                     finish_reason = choice.get("finish_reason")
-            known = usage.output_tokens if usage is not None else None
             return Chunk(
                 raw=body,
                 data=obj,
                 content=with_content > 0,
                 tokens=known if known is not None else with_content,
+                text=size,
                 finish_reason=finish_reason,
                 usage=usage,
             )
@@ -417,14 +475,17 @@ class AnthropicStreamDecoder:
             delta = obj["delta"]
             delta_type = delta.get("type")
             if delta_type == "text_delta":
-                content = bool(delta.get("text"))
+                text = delta.get("text")
             elif delta_type == "input_json_delta":
-                content = bool(delta.get("partial_json"))
+                text = delta.get("partial_json")
             elif delta_type == "thinking_delta":
-                content = bool(delta.get("thinking"))
+                text = delta.get("thinking")
             else:  # signature_delta, citations_delta
-                content = False
-            return Chunk(raw=raw, data=obj, content=content, tokens=1 if content else 0)
+                text = None
+            content = bool(text)
+            return Chunk(
+                raw=raw, data=obj, content=content, tokens=int(content), text=text_bytes(text)
+            )
         if kind == "message_start":
             usage = obj["message"].get("usage")
             if usage:
@@ -474,13 +535,15 @@ def decode_anthropic_body(body: bytes, *, scrub: Scrubber) -> Chunk:
             fields = error if isinstance(error, dict) else {"message": _str(error)}
             return Chunk(raw=body, data=obj, error=_anthropic_error_fields(fields, scrub))
         if kind == "message":
-            with_content = 0
+            with_content = size = 0
             for block in obj.get("content") or ():
                 block_type = block.get("type")
                 if block_type == "text":
                     with_content += bool(block.get("text"))
+                    size += text_bytes(block.get("text"))
                 elif block_type == "thinking":
                     with_content += bool(block.get("thinking"))
+                    size += text_bytes(block.get("thinking"))
                 else:  # tool_use, server tools' blocks, redacted_thinking: all generated output
                     with_content += 1
             usage_fields = obj.get("usage")
@@ -498,6 +561,7 @@ def decode_anthropic_body(body: bytes, *, scrub: Scrubber) -> Chunk:
                 data=obj,
                 content=with_content > 0,
                 tokens=known if known is not None else with_content,
+                text=size,
                 finish_reason=obj.get("stop_reason"),
                 usage=usage,
             )

@@ -11,7 +11,7 @@ from typing import Any, Final
 
 from gateway.models import Chunk, InBandError, SSEEvent, Usage
 from gateway.numbers import count
-from gateway.providers.decode import UpstreamProtocolError, in_band, parse_object
+from gateway.providers.decode import UpstreamProtocolError, in_band, parse_object, text_bytes
 from gateway.scrubbing import Scrubber
 
 _CONTENT: Final = frozenset(
@@ -64,7 +64,10 @@ class ResponsesStreamDecoder:
         named = event.event
         kind = named if named in _ERRORS else data.get("type") or named
         if kind in _CONTENT:
-            return Chunk(raw=event.raw, data=data, content=bool(data.get("delta")), tokens=1)
+            delta = data.get("delta")
+            return Chunk(
+                raw=event.raw, data=data, content=bool(delta), tokens=1, text=text_bytes(delta)
+            )
         if kind == "response.output_item.added":
             item = data.get("item")
             # A built-in tool call may have no argument deltas: its item is the content.
@@ -93,6 +96,20 @@ class ResponsesStreamDecoder:
         return Chunk(raw=event.raw, data=data)
 
 
+def _output_bytes(output: list[Any]) -> int:
+    """The bytes of a Response's generated text: messages' text and refusals, function calls'
+    arguments, reasoning summaries (read only when it reports no usage)."""
+    size = 0
+    for item in output:
+        if not isinstance(item, dict):
+            continue
+        size += text_bytes(item.get("arguments")) + text_bytes(item.get("input"))
+        for part in item.get("content") or item.get("summary") or ():
+            if isinstance(part, dict):
+                size += text_bytes(part.get("text")) + text_bytes(part.get("refusal"))
+    return size
+
+
 def decode_responses_body(body: bytes, *, scrub: Scrubber) -> Chunk:
     """A non-streaming Response object (or an error body)."""
     obj: dict[str, Any] = parse_object(body, "response body")
@@ -112,6 +129,7 @@ def decode_responses_body(body: bytes, *, scrub: Scrubber) -> Chunk:
         data=obj,
         content=content,
         tokens=known if known is not None else int(content),
+        text=_output_bytes(output) if isinstance(output, list) and known is None else 0,
         finish_reason="stop" if obj.get("status") == "completed" else "length",
         usage=usage,
     )

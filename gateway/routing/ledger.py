@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.errors import InvalidRequestError
-from gateway.latency import CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Recorder, Sample
+from gateway.latency import BYTES_PER_TOKEN, CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Recorder, Sample
 from gateway.models import Call, Chunk, Usage
 from gateway.prompt_size import uncached_bytes
 from gateway.providers.base import UpstreamStream
@@ -78,11 +78,18 @@ class Attempt:
 
 @dataclass(slots=True)
 class Tally:
-    """What the committed stream carried, for statistics and telemetry."""
+    """What the committed stream carried, for statistics and telemetry.
+
+    Output tokens are the upstream's count when it reports one; else an estimate from the
+    generated text's length (an event may carry many tokens), never less than one per content
+    event and choice.
+    """
 
     first_token_at: float | None = None
     last_token_at: float | None = None
-    tokens: int = 0  # content events seen (output tokens when the upstream reports no usage)
+    events: int = 0  # content events seen
+    tokens: int = 0  # of those, one per choice with content (or a body's own count)
+    text: int = 0  # UTF-8 bytes of the generated text they carried
     usage: Usage = field(default_factory=Usage)
     finish_reasons: list[str] = field(default_factory=list)
 
@@ -91,7 +98,9 @@ class Tally:
             if self.first_token_at is None:
                 self.first_token_at = now
             self.last_token_at = now
+            self.events += 1
             self.tokens += chunk.tokens or 1
+            self.text += chunk.text
         if chunk.usage is not None:
             if chunk.usage.input_tokens is not None:
                 self.usage.input_tokens = chunk.usage.input_tokens
@@ -106,7 +115,21 @@ class Tally:
 
     @property
     def output_tokens(self) -> int:
-        return self.usage.output_tokens if self.usage.output_tokens is not None else self.tokens
+        reported = self.usage.output_tokens
+        if reported is not None:
+            return reported
+        return max(self.tokens, round(self.text / BYTES_PER_TOKEN))
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token: from the first content event to the last, over the
+        tokens of every event but the first (which is taken to carry an average event's share);
+        None without two content events."""
+        first, last, events = self.first_token_at, self.last_token_at, self.events
+        if first is None or last is None or events < 2:
+            return None
+        after = self.output_tokens * (events - 1) / events
+        return (last - first) / after if after > 0 else None
 
 
 @dataclass(slots=True)
@@ -435,19 +458,15 @@ def _stream_sample(call: Call, opened: Opened, *, ok: bool, error: str | None, c
     tally = opened.tally
     ended = time.perf_counter()
     ttft = tally.first_token_at - opened.started if tally.first_token_at else None
-    tokens = tally.output_tokens
-    tpot = None
-    if tally.first_token_at and tally.last_token_at and tokens > 1:
-        tpot = (tally.last_token_at - tally.first_token_at) / (tokens - 1)
     return Sample(
         opened.candidate.id,
         opened.candidate.model,
         ok=ok,
         total_s=ended - opened.started,
         ttft_s=ttft,
-        tpot_s=tpot,
+        tpot_s=tally.tpot_s,
         input_tokens=tally.usage.input_tokens,
-        output_tokens=tokens,
+        output_tokens=tally.output_tokens,
         error=error,
         hedge_for=opened.hedge_for,
         endpoint=call.endpoint,
