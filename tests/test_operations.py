@@ -20,6 +20,7 @@ import yaml
 from gateway.api import create_app
 from gateway.config import load_settings
 from tests.conftest import free_port, serve
+from tests.timing import scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
@@ -63,7 +64,7 @@ async def models(client: httpx.AsyncClient, url: str) -> set[str]:
 
 async def until(check: Any, *, within_s: float = 10.0) -> None:
     """Poll an async predicate until it holds (a reload is asynchronous), or fail."""
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + scaled(within_s)
     while not await check():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.05)
@@ -136,7 +137,7 @@ def tailguard_serve(
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
