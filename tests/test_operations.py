@@ -207,15 +207,17 @@ async def test_shutdown_lets_streams_finish_then_ends_them_with_an_error_event(
             await asyncio.wait_for(asyncio.gather(short_started.wait(), long_started.wait()), 10)
             stopping = time.monotonic()
             process.send_signal(signal.SIGTERM)
-            short_lines, long_lines = await asyncio.wait_for(asyncio.gather(short, long), 15)
+            short_lines, long_lines = await asyncio.wait_for(
+                asyncio.gather(short, long), scaled(15)
+            )
             with pytest.raises(httpx.TransportError):  # no longer accepting
                 await client.post(url, json={"model": "short", **CHAT})
-        await asyncio.to_thread(process.wait, 15)
+        await asyncio.to_thread(process.wait, scaled(15))
         took = time.monotonic() - stopping
     assert short_lines[-1] == "data: [DONE]"
     assert "data: [DONE]" not in long_lines
     error = orjson.loads(long_lines[-1].removeprefix("data: "))["error"]
     assert "shutting down" in error["message"]
-    assert took < 10
+    assert took < scaled(10)
     # uvicorn re-raises the signal once it has shut down cleanly: "terminated by SIGTERM".
     assert process.returncode in (0, -signal.SIGTERM)

@@ -28,6 +28,7 @@ from gateway.latency import TTFT_DEADLINE, RedisLatencyStore, Sample
 from gateway.redis import RedisClient, connect_redis, parse_redis_url
 from tests.conftest import free_port
 from tests.test_latency_store import Clock, failed, ok, same_numbers
+from tests.timing import scaled
 
 PASSWORD = "tg-Data-Pa55"  # what the test servers require
 SENTINEL_PASSWORD = "tg-Sentinel-Pa55"
@@ -46,7 +47,7 @@ def binary(name: str) -> str:
 
 def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
     """Poll `check` until it holds; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while True:
         try:
             if check():

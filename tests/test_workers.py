@@ -362,14 +362,14 @@ async def test_sigterm_drains_every_worker_and_exits_0(sim: str, tmp_path: Path)
             short_lines, long_lines = await asyncio.wait_for(
                 asyncio.gather(short, long), scaled(15)
             )
-        status = await asyncio.to_thread(gateway.process.wait, 15)
+        status = await asyncio.to_thread(gateway.process.wait, scaled(15))
         took = time.monotonic() - stopping
     assert short_lines[-1] == "data: [DONE]"
     assert "data: [DONE]" not in long_lines
     error = orjson.loads(long_lines[-1].removeprefix("data: "))["error"]
     assert "shutting down" in error["message"]
     assert status == 0
-    assert took < grace_s + 5  # the grace, plus the workers' own shutdown
+    assert took < grace_s + scaled(5)  # the grace, plus the workers' own shutdown
 
 
 async def test_sighup_reloads_every_worker(sim: str, shared: tuple[Gateway, Path]) -> None:

@@ -29,6 +29,7 @@ from tests.conftest import Upstream, gateway_settings, run_gateway
 from tests.faults.conftest import chat, settled
 from tests.faults.scripts import answer, stream
 from tests.faults.wire import DONE, Exchange, RawUpstream, Script, sse_finish, sse_token
+from tests.timing import scaled
 
 IDLE_MS: Final = 400  # the test providers' stream_idle_timeout_ms
 MB: Final = 1024 * 1024
@@ -419,7 +420,7 @@ async def test_trickle_before_first_token_ends_at_the_idle_timeout(
                 body = await response.aread()
             elapsed = time.perf_counter() - started
             await settled(up.url, upstream.url, at_most=1)
-    assert IDLE_MS / 1000 <= elapsed < IDLE_MS / 1000 + 1.0
+    assert IDLE_MS / 1000 <= elapsed < IDLE_MS / 1000 + scaled(1.0)
     if fallback:
         assert response.status_code == 200
         assert response.headers["x-tailguard-deployment"] == "f/ok"
@@ -451,7 +452,7 @@ async def test_trickle_after_first_token_ends_with_an_error_event(
     error = final_error_event(tail)
     assert error["code"] == "upstream_timeout"
     assert "p/raw" in error["message"]
-    assert IDLE_MS / 1000 <= elapsed < IDLE_MS / 1000 + 1.0
+    assert IDLE_MS / 1000 <= elapsed < IDLE_MS / 1000 + scaled(1.0)
 
 
 async def test_slow_steady_content_is_not_idle(client: httpx.AsyncClient) -> None:
