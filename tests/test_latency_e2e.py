@@ -524,7 +524,7 @@ async def test_a_stream_cut_by_the_total_budget_teaches_the_router(
     )
     body = {**chat("capable"), "max_tokens": 40}  # 40 tokens: 1.6 s on the slow decoder
     served: list[str] = []
-    async with run_gateway(settings) as gw, asyncio.timeout(30):
+    async with run_gateway(settings) as gw, asyncio.timeout(scaled(30)):
         while not served or served[-1] != "up/fast@tokens_per_s=400,output_tokens=400":
             async with client.stream("POST", gw.url + "/v1/chat/completions", json=body) as resp:
                 text = (await resp.aread()).decode()

@@ -288,7 +288,7 @@ async def share_between_replicas(url: str, prefix: str) -> None:
     async with connected(url) as ra, connected(url) as rb:
         # Warm both clients first (for a cluster: discover the slot map): the store's short
         # timeouts are for a warm client, and a loaded machine can take longer to discover.
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(scaled(10)):
             await ra.ping()
             await rb.ping()
         a, b = replica(ra, clock, prefix), replica(rb, clock, prefix)

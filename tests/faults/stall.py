@@ -42,6 +42,8 @@ from typing import Any, Final
 
 import pytest
 
+from tests.timing import cpu_slowdown
+
 __all__ = ["Stall", "StallDetector", "loop_watchdog", "pytest_runtest_call"]
 
 THRESHOLD_S: Final = 0.05
@@ -260,8 +262,9 @@ class StallDetector:
 
 @pytest.fixture(autouse=True)
 async def loop_watchdog() -> AsyncIterator[StallDetector]:
-    """Fails a test whose event loop is blocked for more than 50 ms, showing the blocking stack."""
-    async with StallDetector() as detector:
+    """Fails a test whose event loop is blocked for more than 50 ms (of the reference machine's
+    CPU time: longer where the same work takes more CPU now), showing the blocking stack."""
+    async with StallDetector(threshold_s=THRESHOLD_S * cpu_slowdown()) as detector:
         yield detector
     if (report := detector.report()) is not None:  # a stall in some fixture's teardown
         pytest.fail(report, pytrace=False)

@@ -54,7 +54,7 @@ async def test_error_status_without_fallback_is_one_clean_error(fault: str, stre
     exception, naming the deployment, after exactly one upstream request."""
     script, status, code = FAULTS[fault]
     async with RawUpstream(script) as up, run_gateway(routed(up.base_url, "bad")) as gw:
-        async with sdk(gw) as client, asyncio.timeout(5):
+        async with sdk(gw) as client, asyncio.timeout(scaled(5)):
             with pytest.raises(openai.APIStatusError) as caught:
                 await complete(client, stream=stream)
         await settled(up.url)
@@ -76,7 +76,7 @@ async def test_error_status_with_fallback_is_served_by_the_fallback(
     script = FAULTS[fault][0]
     async with RawUpstream(script) as up:
         settings = routed(up.base_url, "bad", upstream.base_url)
-        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(scaled(5)):
             raw = await client.chat.completions.with_raw_response.create(
                 model="m", messages=MESSAGES, stream=True
             )
@@ -100,7 +100,7 @@ async def test_huge_retry_after_is_capped_for_the_client() -> None:
         RawUpstream(HUGE_429) as up,
         run_gateway(routed(up.base_url, "bad")) as gw,
         sdk(gw) as client,
-        asyncio.timeout(5),
+        asyncio.timeout(scaled(5)),
     ):
         with pytest.raises(openai.RateLimitError) as caught:
             await complete(client, stream=True)
@@ -111,7 +111,7 @@ async def test_huge_retry_after_cooldown_is_capped(client: httpx.AsyncClient) ->
     """An absurd `retry-after` cools the deployment down for at most `max_s` (60 s), and while it
     cools the gateway answers at once with a bounded `retry-after`, without calling it."""
     async with RawUpstream(HUGE_429) as up, run_gateway(routed(up.base_url, "bad")) as gw:
-        async with sdk(gw) as openai_client, asyncio.timeout(5):
+        async with sdk(gw) as openai_client, asyncio.timeout(scaled(5)):
             with pytest.raises(openai.RateLimitError):
                 await complete(openai_client, stream=True)
             with pytest.raises(openai.APIStatusError) as cooling:
@@ -131,7 +131,7 @@ async def test_connect_refused(upstream: Upstream, fallback: bool) -> None:
     """A deployment whose port refuses connections fails fast: a 502 naming it, or the fallback."""
     dead = f"http://127.0.0.1:{free_port()}/v1"
     settings = routed(dead, "gone", upstream.base_url if fallback else None)
-    async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(5):
+    async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(scaled(5)):
         started = time.perf_counter()
         if fallback:
             assert await complete(client, stream=True)
@@ -155,7 +155,7 @@ async def test_reset_before_headers_falls_back(
     script = reset_before_headers(how=how, read_first=read_first)
     async with RawUpstream(script) as up:
         settings = routed(up.base_url, "rude", upstream.base_url)
-        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(scaled(5)):
             for stream in (True, False):
                 assert await complete(client, stream=stream)
             await settled(up.url)
@@ -166,7 +166,7 @@ async def test_reset_before_headers_without_fallback_is_502() -> None:
     """With nothing to fall back on, a reset before headers is a 502 naming the deployment."""
     script = reset_before_headers(how="reset", read_first=True)
     async with RawUpstream(script) as up, run_gateway(routed(up.base_url, "rude")) as gw:
-        async with sdk(gw) as client, asyncio.timeout(5):
+        async with sdk(gw) as client, asyncio.timeout(scaled(5)):
             with pytest.raises(openai.InternalServerError) as caught:
                 await complete(client, stream=True)
         await settled(up.url)
