@@ -115,7 +115,9 @@ def _loop_stack(thread_id: int) -> str:
         lines.append(
             f'  File "{file}", line {number}, in {name}\n' + (f"    {source}\n" if source else "")
         )
-    return "".join(reversed(lines)) or dump
+    if block is None:
+        return dump  # the thread is not in the dump: show every thread
+    return "".join(reversed(lines)) or "  (no Python frame: the loop thread was in C code)\n"
 
 
 class StallDetector:
