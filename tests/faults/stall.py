@@ -142,7 +142,7 @@ class StallDetector:
         self._stack = (0, "")
         self._gc_s = 0.0  # time the loop thread spent collecting garbage
         self._gc_started: float | None = None
-        self._stop = threading.Event()
+        self._stopping = False  # a plain flag: the watchdog's idle poll holds the GIL briefly
         self._watchdog: threading.Thread | None = None
 
     async def __aenter__(self) -> StallDetector:
@@ -189,7 +189,7 @@ class StallDetector:
         del loop._run_once, loop._selector.select  # back to the class's own methods
         if self._busy:  # this turn so far
             self._end_turn()
-        self._stop.set()
+        self._stopping = True
         if self._watchdog is not None:
             self._watchdog.join(1.0)  # it polls every few ms
         gc.callbacks.remove(self._on_gc)
@@ -206,7 +206,7 @@ class StallDetector:
     def _end_turn(self) -> None:
         """On the loop thread, as a turn ends: record it if it held the loop too long."""
         self._busy = False
-        if self._stop.is_set():
+        if self._stopping:
             return
         wall = time.monotonic() - self._started
         if wall <= self.threshold_s:
@@ -243,7 +243,10 @@ class StallDetector:
         progress is not counted yet)."""
         own = _TASKS / self._native_id / "schedstat"
         seen, gil, others = 0, 0.0, None
-        while not self._stop.wait(self.poll_s):
+        # time.sleep, not Event.wait: a few bytecodes with the GIL per poll rather than a hundred,
+        # so the watchdog is rarely descheduled while the loop waits for the GIL it holds.
+        while not self._stopping:
+            time.sleep(self.poll_s)
             turn, started = self._turn, self._started
             if not self._busy:
                 continue
