@@ -20,6 +20,18 @@ from gateway.latency import MemoryRecorder
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
+from tests.timing import scaled
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test's pytest-timeout limit (its own mark's, else the configured one) is stretched
+    for a slow or busy machine, like every other unavoidable deadline (`tests.timing`)."""
+    configured = float(config.getini("timeout") or 0)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        limit = float(mark.args[0]) if mark is not None and mark.args else configured
+        if limit > 0:
+            item.add_marker(pytest.mark.timeout(scaled(limit)), append=False)
 
 
 @asynccontextmanager
@@ -136,7 +148,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while True:  # bounded wait for the server to answer PING
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:

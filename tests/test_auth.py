@@ -27,6 +27,7 @@ from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake
 from tests.test_metrics import scrape
 from tests.test_proxy import Scripted
+from tests.timing import scaled
 
 CLIENT_KEY, CLIENT_HASH = new_key()
 OTHER_KEY, OTHER_HASH = new_key()
@@ -358,7 +359,7 @@ async def test_concurrent_requests_per_key_and_overall(
 async def until_not_busy(http: httpx.AsyncClient, base_url: str) -> httpx.Response:
     """The gateway frees a slot when the request's handler ends, just after the upstream saw
     the close: retry (bounded) across that instant."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while True:
         reply = await http.post(
             base_url + "/chat/completions",

@@ -18,6 +18,7 @@ from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
+from tests.timing import scaled
 
 BULK = {"x-tailguard-priority": "bulk"}
 
@@ -94,7 +95,7 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 async def queued(client: httpx.AsyncClient, url: str, inputs: int) -> None:
     """Wait until `inputs` inputs are waiting in the batch queue (read from /metrics)."""
     line = f'tailguard_batch_queue_depth{{deployment="up/emb"}} {float(inputs)}'
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(scaled(5)):
         while True:  # the queue is only visible through /metrics: poll it
             if line in (await client.get(url + "/metrics")).text:
                 return

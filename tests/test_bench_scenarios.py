@@ -18,6 +18,7 @@ from bench._upstream import BEHAVIOUR_PATH, STATS_PATH, Upstream, prompt_tokens
 from bench.tail import Outcome
 from gateway.sim.profile import SimProfile
 from tests.conftest import serve
+from tests.timing import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +74,7 @@ async def test_the_upstream_counts_completed_closed_and_failed_streams_per_behav
             headers={"x-request-id": "sc-ml-000002"},
         ) as stalled:
             assert stalled.status_code == 200  # headers come before prefill; then we leave
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await upstream.wait_for(
                 lambda: upstream.counts[("measure", "long", "slow")]["wasted"] == 1
             )

@@ -32,6 +32,7 @@ from tests.conftest import (
     one_model,
     run_gateway,
 )
+from tests.timing import scaled
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "stream": True}
 METRIC_KEYS = ("ttft_ms", "tpot_ms", "total_ms")
@@ -75,8 +76,8 @@ async def poll_latency(
     client: httpx.AsyncClient, url: str, ready: Callable[[Body], bool], *, within_s: float = 5.0
 ) -> Body:
     """`GET /admin/latency` until `ready(body)` holds (the snapshot refreshes about every second),
-    or fail with the last body once `within_s` has passed."""
-    deadline = time.monotonic() + within_s
+    or fail with the last body once `within_s` (scaled) has passed."""
+    deadline = time.monotonic() + scaled(within_s)
     while True:
         resp = await client.get(url + "/admin/latency")
         assert resp.status_code == 200
@@ -346,7 +347,7 @@ async def test_two_gateway_processes_share_percentiles_through_redis(
         mine = await poll_latency(client, a, lambda body: body["source"] == "redis" and done(body))
         theirs = await poll_latency(client, b, done)
         seen_after_s = time.monotonic() - sent_at
-    assert seen_after_s < 2.0, seen_after_s
+    assert seen_after_s < scaled(2.0), seen_after_s
     assert (mine["source"], theirs["source"]) == ("redis", "redis")
     for kind, name in (("deployments", "sim/tiny"), ("models", "shared")):
         assert shared_numbers(theirs[kind][name]) == shared_numbers(mine[kind][name]), name
@@ -525,7 +526,7 @@ async def test_a_stream_cut_by_the_total_budget_teaches_the_router(
     )
     body = {**chat("capable"), "max_tokens": 40}  # 40 tokens: 1.6 s on the slow decoder
     served: list[str] = []
-    async with run_gateway(settings) as gw, asyncio.timeout(30):
+    async with run_gateway(settings) as gw, asyncio.timeout(scaled(30)):
         while not served or served[-1] != "up/fast@tokens_per_s=400,output_tokens=400":
             async with client.stream("POST", gw.url + "/v1/chat/completions", json=body) as resp:
                 text = (await resp.aread()).decode()

@@ -26,6 +26,7 @@ from gateway.latency import (
 from gateway.redis import connect_redis
 from gateway.sketch import Sketch
 from tests.conftest import RedisServer
+from tests.timing import scaled
 
 
 class Clock:
@@ -228,7 +229,10 @@ async def test_run_store_refreshes_in_the_background_and_stops_cleanly() -> None
     store = FlakyStore()
     store.record(ok())
     before = set(asyncio.all_tasks())
-    async with asyncio.timeout(10), run_store(store, flush_every_s=0.01, refresh_every_s=0.01):
+    async with (
+        asyncio.timeout(scaled(10)),
+        run_store(store, flush_every_s=0.01, refresh_every_s=0.01),
+    ):
         assert store.snapshot.deployments["d1"].ttft.count == 1  # the refresh on entry
         await store.recovered.wait()
     assert set(asyncio.all_tasks()) == before
@@ -337,9 +341,9 @@ async def test_redis_down_falls_back_fast_and_recovers(redis_server: RedisServer
         for _ in range(30):
             a.record(ok("d1", "chat", ttft_ms=700))
         for _ in range(3):  # the first call fails fast; the next ones skip Redis (breaker open)
-            async with asyncio.timeout(1.0):
+            async with asyncio.timeout(scaled(1.0)):
                 await a.flush()
-            async with asyncio.timeout(1.0):
+            async with asyncio.timeout(scaled(1.0)):
                 snapshot = await a.refresh()
             clock.now += 0.1
         assert a.state == "degraded"
@@ -352,7 +356,7 @@ async def test_redis_down_falls_back_fast_and_recovers(redis_server: RedisServer
         assert pending == 2  # the slice of d1 and of its model, waiting for Redis
 
         redis_server.start()
-        async with asyncio.timeout(1.0):
+        async with asyncio.timeout(scaled(1.0)):
             await a.flush()  # still inside the backoff: Redis is left alone
         assert (a.state, a.pending_fields) == ("degraded", pending)
         clock.now += 4.0 * 1.2  # past the longest jittered backoff
@@ -380,7 +384,7 @@ async def test_slices_that_leave_the_window_unshared_are_counted(
         redis_server.kill()
         for i in range(100):
             store.record(ok("d1", "chat", ttft_ms=10 + i * 10))
-        async with asyncio.timeout(1.0):
+        async with asyncio.timeout(scaled(1.0)):
             await store.flush()
         assert store.state == "degraded"
         assert (await store.refresh()).deployments["d1"].ttft.count == 100

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway
+from tests.timing import scaled
 
 READ_TIMEOUT_S = 0.3
 
@@ -33,7 +34,7 @@ async def connect(gw: Gateway) -> tuple[asyncio.StreamReader, asyncio.StreamWrit
 
 async def answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
     """The status, headers and body of the one response before the server closes."""
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(scaled(5)):
         data = await reader.read()  # to EOF: every refusal closes the connection
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
@@ -61,7 +62,7 @@ async def test_headers_over_the_limit_get_431_and_a_close(gw: Gateway) -> None:
 async def test_headers_within_the_limit_are_served(gw: Gateway) -> None:
     reader, writer = await connect(gw)
     writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-filler: " + b"a" * 3000 + b"\r\n\r\n")
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(scaled(5)):
         line = await reader.readline()
     writer.close()
     assert line.startswith(b"HTTP/1.1 200")
@@ -89,7 +90,7 @@ async def test_a_body_too_slow_gets_408(gw: Gateway, upstream: Upstream) -> None
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n%s" % (len(body), body[:10])  # and then nothing more
     )
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(scaled(5)):
         head = await reader.readuntil(b"\r\n\r\n")
         length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
         payload = await reader.readexactly(length)
@@ -105,7 +106,7 @@ async def test_keep_alive_requests_each_get_their_own_deadline(gw: Gateway) -> N
     reader, writer = await connect(gw)
     for _ in range(2):
         writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             head = await reader.readuntil(b"\r\n\r\n")
             await reader.readexactly(int(head.lower().split(b"content-length: ")[1][:2]))
         assert head.startswith(b"HTTP/1.1 200")

@@ -19,6 +19,7 @@ from prometheus_client.samples import Sample
 from gateway import semconv as sc
 from tests.conftest import Upstream, one_model, run_gateway
 from tests.test_tracing import Sim, sim, two
+from tests.timing import scaled
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 OPS = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "vllm", "gen_ai_request_model": "m"}
@@ -60,7 +61,7 @@ async def scrape_when(
     client: httpx.AsyncClient, url: str, ready: Callable[[Scrape], bool]
 ) -> Scrape:
     """Scrape until `ready` holds (the requests sent are all counted), within 3 s."""
-    async with asyncio.timeout(3):
+    async with asyncio.timeout(scaled(3)):
         while True:
             found = await scrape(client, url)
             if ready(found):

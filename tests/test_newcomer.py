@@ -17,6 +17,7 @@ import pytest
 from gateway import __version__
 from gateway.config import PACKAGED_CONFIG, config_path, load_settings
 from tests.conftest import free_port
+from tests.timing import scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
 REPO = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(TAILGUARD), *args], capture_output=True, text=True, timeout=30, cwd=cwd
+        [str(TAILGUARD), *args], capture_output=True, text=True, timeout=scaled(30), cwd=cwd
     )
 
 
@@ -79,7 +80,7 @@ def test_serve_from_any_directory_uses_the_packaged_defaults(tmp_path: Path) -> 
         text=True,
     )
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while True:  # bounded wait for the port to answer
             try:
                 models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
@@ -93,5 +94,5 @@ def test_serve_from_any_directory_uses_the_packaged_defaults(tmp_path: Path) -> 
         assert served == {m.name for m in load_settings(PACKAGED_CONFIG).models}
     finally:
         process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=20)
+        _, stderr = process.communicate(timeout=scaled(20))
     assert f"config: {PACKAGED_CONFIG}" in stderr, stderr

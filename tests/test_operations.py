@@ -20,6 +20,7 @@ import yaml
 from gateway.api import create_app
 from gateway.config import load_settings
 from tests.conftest import free_port, serve
+from tests.timing import scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
@@ -63,7 +64,7 @@ async def models(client: httpx.AsyncClient, url: str) -> set[str]:
 
 async def until(check: Any, *, within_s: float = 10.0) -> None:
     """Poll an async predicate until it holds (a reload is asynchronous), or fail."""
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + scaled(within_s)
     while not await check():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.05)
@@ -136,7 +137,7 @@ def tailguard_serve(
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
@@ -206,15 +207,17 @@ async def test_shutdown_lets_streams_finish_then_ends_them_with_an_error_event(
             await asyncio.wait_for(asyncio.gather(short_started.wait(), long_started.wait()), 10)
             stopping = time.monotonic()
             process.send_signal(signal.SIGTERM)
-            short_lines, long_lines = await asyncio.wait_for(asyncio.gather(short, long), 15)
+            short_lines, long_lines = await asyncio.wait_for(
+                asyncio.gather(short, long), scaled(15)
+            )
             with pytest.raises(httpx.TransportError):  # no longer accepting
                 await client.post(url, json={"model": "short", **CHAT})
-        await asyncio.to_thread(process.wait, 15)
+        await asyncio.to_thread(process.wait, scaled(15))
         took = time.monotonic() - stopping
     assert short_lines[-1] == "data: [DONE]"
     assert "data: [DONE]" not in long_lines
     error = orjson.loads(long_lines[-1].removeprefix("data: "))["error"]
     assert "shutting down" in error["message"]
-    assert took < 10
+    assert took < scaled(10)
     # uvicorn re-raises the signal once it has shut down cleanly: "terminated by SIGTERM".
     assert process.returncode in (0, -signal.SIGTERM)

@@ -39,6 +39,7 @@ from tests.fakes.asgi import lifespan, read_body
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.test_metrics import requests_counted, scrape_when
 from tests.test_tracing import client_spans, traced_gateway
+from tests.timing import scaled
 
 API_KEY = "sk-ant-api03-configured-upstream-key-0123456789"
 EPHEMERAL: dict[str, Any] = {"type": "ephemeral"}
@@ -557,7 +558,7 @@ async def test_cache_counts_on_the_attempt_span(upstreams: Upstreams) -> None:
         async with traced_gateway(upstreams.settings, environ) as url, clients(url) as c:
             await say(c, "claude", "req-span-1")
             await say(c, "gpt-reads", "req-span-2")
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await receiver.wait_for(lambda r: len(r.of_kind("CLIENT")) == 2)
     claude, reads = (span.attributes for span in client_spans(receiver))
     assert claude[sc.GEN_AI_REQUEST_MODEL] == "claude"

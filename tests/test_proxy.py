@@ -16,6 +16,7 @@ from gateway.api import create_app
 from gateway.latency import Sample
 from tests.conftest import Gateway, Upstream, gateway_settings, one_model, run_gateway, serve
 from tests.fakes.asgi import lifespan, read_body
+from tests.timing import scaled
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 
@@ -175,7 +176,7 @@ async def test_disconnect_mid_stream_closes_upstream(
                 if seen == 2:
                     break
             left = time.perf_counter()
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await upstream.stats.wait_for(lambda s: s.cancelled == 1 and s.open_streams == 0)
         noticed = time.perf_counter() - left
     assert noticed < 1.0
@@ -190,12 +191,12 @@ async def test_disconnect_before_first_token_closes_upstream(
         request = asyncio.create_task(
             client.post(gw.base_url + "/chat/completions", json=chat(stream=True))
         )
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await upstream.stats.wait_for(lambda s: s.requests == 1)
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
             await request
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await upstream.stats.wait_for(lambda s: s.cancelled == 1)
 
 
@@ -205,12 +206,12 @@ async def test_disconnect_on_non_streaming_request_closes_upstream(
     """A non-streaming client that gives up cancels the upstream call too."""
     async with run_gateway(one_model(upstream.base_url, "m@stall_rate=1")) as gw:
         request = asyncio.create_task(client.post(gw.base_url + "/chat/completions", json=chat()))
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await upstream.stats.wait_for(lambda s: s.requests == 1)
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
             await request
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await upstream.stats.wait_for(lambda s: s.cancelled == 1)
 
 
@@ -270,7 +271,9 @@ async def test_oversized_body_is_refused_before_it_is_read(upstream: Upstream) -
             b"content-length: 100000000\r\n\r\n{"
         )
         await writer.drain()
-        async with asyncio.timeout(5):  # the body never comes: the answer must not wait for it
+        async with asyncio.timeout(
+            scaled(5)
+        ):  # the body never comes: the answer must not wait for it
             head = await reader.readuntil(b"\r\n\r\n")
         writer.close()
         await writer.wait_closed()
@@ -497,7 +500,7 @@ async def test_stalled_primary_fails_over_at_the_ttft_budget(
     assert resp.headers["x-tailguard-route"] == "hedge"
     assert resp.headers["x-tailguard-deployment"] == "up/ok"
     assert 0.15 <= elapsed < 3.0  # hedged at half the budget, leaving the rest to the next one
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(scaled(5)):
         await upstream.stats.wait_for(lambda s: s.cancelled == 1)  # the slow one was closed
 
 
@@ -554,7 +557,7 @@ async def test_non_streaming_request_is_bounded_by_total_budget_only(
         resp = await client.post(gw.base_url + "/chat/completions", json=chat())
     assert resp.status_code == 504
     assert resp.json()["error"]["code"] == "budget_exceeded"
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(scaled(5)):
         await upstream.stats.wait_for(lambda s: s.cancelled == 1)
 
 
@@ -651,7 +654,7 @@ async def test_total_budget_header_bounds_a_non_streaming_request(
         )
     assert resp.status_code == 504
     assert resp.json()["error"]["code"] == "budget_exceeded"
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(scaled(5)):
         await upstream.stats.wait_for(lambda s: s.cancelled == 1)
 
 

@@ -28,6 +28,7 @@ from gateway.latency import TTFT_DEADLINE, RedisLatencyStore, Sample
 from gateway.redis import RedisClient, connect_redis, parse_redis_url
 from tests.conftest import free_port
 from tests.test_latency_store import Clock, failed, ok, same_numbers
+from tests.timing import scaled
 
 PASSWORD = "tg-Data-Pa55"  # what the test servers require
 SENTINEL_PASSWORD = "tg-Sentinel-Pa55"
@@ -46,7 +47,7 @@ def binary(name: str) -> str:
 
 def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
     """Poll `check` until it holds; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while True:
         try:
             if check():
@@ -287,7 +288,7 @@ async def share_between_replicas(url: str, prefix: str) -> None:
     async with connected(url) as ra, connected(url) as rb:
         # Warm both clients first (for a cluster: discover the slot map): the store's short
         # timeouts are for a warm client, and a loaded machine can take longer to discover.
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(scaled(10)):
             await ra.ping()
             await rb.ping()
         a, b = replica(ra, clock, prefix), replica(rb, clock, prefix)

@@ -22,6 +22,7 @@ from gateway.routing import Budget, Candidate, Guards, Ledger, Opened, Plan, ope
 from gateway.routing.attempts import background_done
 from gateway.scrubbing import Scrubber
 from gateway.validate import parse_call
+from tests.timing import scaled
 
 LIMITS = StreamLimits(idle_s=60.0, max_precommit_events=1000, max_precommit_bytes=1 << 20)
 
@@ -174,7 +175,7 @@ async def test_an_explored_deployment_is_raced_and_timed_even_when_it_loses() ->
     await ledger.aclose()
     assert (opened.candidate.id, opened.route) == ("lead/m", "hedge")
     assert explored.opened == 1
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(scaled(2)):
         await background_done()  # the explored attempt is timed in the background
     away = store.local_snapshot().deployments["away/m"]
     assert (away.ttft.count, away.ttft.censored, away.errors) == (1, 0, 0)

@@ -22,6 +22,7 @@ from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.test_latency_e2e import count, poll_latency, tailguard
+from tests.timing import scaled
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 
@@ -126,7 +127,7 @@ async def test_stalled_primary_is_cut_at_its_deadline(
     settings = routed(primary, fallback, "slow@stall_rate=1", prior_ms=100, budget={"ttft_ms": 400})
     async with run_gateway(settings) as gw:
         resp, lines, ttft = await stream(client, gw.url)
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await primary.stats.wait_for(lambda s: s.cancelled == 1)  # the upstream saw the close
     assert resp.status_code == 200
     assert lines[-1] == "data: [DONE]"
@@ -182,7 +183,7 @@ async def test_hedge_wins_and_the_primary_is_closed(
     settings = hedged(primary, fallback, "slow@prefill_base_ms=2000")
     async with run_gateway(settings) as gw:
         resp, lines, _ = await stream(client, gw.url)
-        async with asyncio.timeout(1):
+        async with asyncio.timeout(scaled(1)):
             await primary.stats.wait_for(lambda s: s.cancelled == 1)
     assert resp.status_code == 200
     assert resp.headers["x-tailguard-route"] == "hedge"
@@ -208,7 +209,7 @@ async def test_primary_answering_first_beats_its_hedge(
     settings = hedged(primary, fallback, "late@prefill_base_ms=450", "slower@prefill_base_ms=2000")
     async with run_gateway(settings) as gw:
         resp, lines, _ = await stream(client, gw.url)
-        async with asyncio.timeout(1):
+        async with asyncio.timeout(scaled(1)):
             await fallback.stats.wait_for(lambda s: s.cancelled == 1)
     assert resp.status_code == 200
     assert resp.headers["x-tailguard-deployment"] == "p/late@prefill_base_ms=450"
@@ -353,7 +354,7 @@ async def test_total_budget_cuts_a_committed_stream_with_an_error_event(
     )
     async with run_gateway(settings) as gw:
         resp, lines, _ = await stream(client, gw.url)
-        async with asyncio.timeout(1):
+        async with asyncio.timeout(scaled(1)):
             await primary.stats.wait_for(lambda s: s.cancelled == 1)
     assert resp.status_code == 200
     assert "data: [DONE]" not in lines

@@ -24,6 +24,7 @@ from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile, apply_overrides
 from gateway.sim.server import SimConfigError, create_sim_app, load_profiles
 from gateway.sim.wire import SimConnectionReset
+from tests.timing import scaled
 
 WATCHDOG_S = 10.0  # only ever reached when a test is broken; conditions are awaited, not slept on
 
@@ -586,7 +587,7 @@ async def test_client_disconnect_cancels_the_stream() -> None:
                 seen += bool(line)
                 if seen == 2:
                     break
-        async with asyncio.timeout(1.0):
+        async with asyncio.timeout(scaled(1.0)):
             await engine.stats.wait_for(
                 lambda s: s.cancelled == 1 and s.open_streams == 0 and s.running == 0
             )

@@ -28,6 +28,7 @@ from tests.test_latency_e2e import poll_latency, tailguard
 from tests.test_metrics import scrape, scrape_when
 from tests.test_routing_e2e import fallback, primary, routed
 from tests.test_tracing import Collector, collector
+from tests.timing import scaled
 
 __all__ = ["access", "collector", "fallback", "primary"]  # fixtures, used by name
 
@@ -178,7 +179,7 @@ async def test_an_error_misses_every_budget_and_a_client_that_left_early_is_not_
             await stream(client, gw.url, model="s")
 
         left = asyncio.create_task(leave_early())
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await fallback.stats.wait_for(lambda s: s.requests == 1)  # stalled upstream
         left.cancel()  # the client goes away
         with pytest.raises(asyncio.CancelledError):
@@ -216,7 +217,7 @@ async def test_x_slo_ttft_ms_gets_a_stalled_primary_rescued(
     with its prompt tokens; the rescue is the model's extra load (1 of 1 client request)."""
     settings = routed(primary, fallback, "slow@stall_rate=1", prior_ms=100)
     async with run_gateway(settings) as gw:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             resp = await stream(client, gw.url, {"x-slo-ttft-ms": "400"})
         assert resp.status_code == 200
         assert resp.headers["x-tailguard-route"] == "ttft_failover"
@@ -351,7 +352,7 @@ async def test_stats_shows_attainment_first(
     )
     async with run_gateway(settings) as gw:
         for headers in ({}, {"x-slo-tpot-ms": "1000"}):
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(scaled(5)):
                 resp = await stream(client, gw.url, headers)
             assert resp.headers["x-tailguard-route"] == "ttft_failover"
         view = await poll_latency(client, gw.url, judged("models", "m", "ttft", 2))
@@ -407,7 +408,7 @@ async def test_dashboard_shows_attainment_first(
     async with run_gateway(settings) as gw, chromium() as browser:
         for headers in ({}, {}, {}, {"x-slo-ttft-ms": "20"}):
             assert (await stream(client, gw.url, headers)).status_code == 200
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             rescued = await stream(client, gw.url, model="s")
         assert rescued.headers["x-tailguard-route"] == "ttft_failover"
         page = await browser.new_page(viewport={"width": 1280, "height": 900})

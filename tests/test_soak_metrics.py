@@ -14,6 +14,7 @@ import pytest
 from gateway.telemetry import exposition, make_registry
 from tests.conftest import Upstream, one_model, run_gateway
 from tests.test_metrics import Scrape, scrape, scrape_when
+from tests.timing import scaled
 
 TASKS = "tailguard_event_loop_tasks"
 RSS = "process_resident_memory_bytes"
@@ -71,13 +72,13 @@ async def test_task_gauge_follows_requests_in_flight_and_returns_to_idle(
             asyncio.create_task(client.post(gw.base_url + "/chat/completions", json=body))
             for _ in range(STALLED)
         ]
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await upstream.stats.wait_for(lambda s: s.requests == STALLED)
         busy = (await scrape(client, gw.url)).value(TASKS)
         for request in requests:
             request.cancel()
         await asyncio.gather(*requests, return_exceptions=True)
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await upstream.stats.wait_for(lambda s: s.cancelled == STALLED)
         # The gateway ends its request tasks on its own time: poll, within a deadline.
         found = await scrape_when(client, gw.url, lambda s: s.value(TASKS) <= idle)

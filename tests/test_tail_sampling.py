@@ -36,6 +36,7 @@ from tests.test_tracing import (
     traced_gateway,
     two,
 )
+from tests.timing import scaled
 
 __all__ = ["client", "collector", "fallback", "primary"]  # fixtures, used by name
 
@@ -117,7 +118,7 @@ async def test_only_remarkable_traces_are_exported_with_all_their_spans(
         assert (plain.status_code, broken.status_code, failover.status_code) == (200, 502, 200)
         assert failover.headers["x-tailguard-route"] == "ttft_failover"
         last = failover.headers["x-request-id"]
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await collector.receiver.wait_for(lambda _: exported(collector, last))
         metrics = (await client.get(url + "/metrics")).text
     servers = servers_by_request(collector)
@@ -168,7 +169,7 @@ async def test_a_hedged_request_is_exported_whole(
             spans = collector.receiver.of_kind("CLIENT")
             return [s for s in spans if server is not None and s.parent_span_id == server.span_id]
 
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await collector.receiver.wait_for(lambda _: len(attempts()) == 2)
         metrics = (await client.get(url + "/metrics")).text
     assert sorted(s.attributes[sc.TG_ATTEMPT_OUTCOME] for s in attempts()) == ["hedge_lost", "won"]
@@ -189,7 +190,7 @@ async def test_a_request_slower_than_its_deployments_p99_is_exported(
     )
     environ = {**collector.env, **FAST_EXPORT, "TAILGUARD_TRACES_TAIL_RATIO": "0"}
     quick = {"model": "m", "max_tokens": 1, **CHAT}
-    async with traced_gateway(settings, environ) as url, asyncio.timeout(20):
+    async with traced_gateway(settings, environ) as url, asyncio.timeout(scaled(20)):
         while True:  # until the snapshot (refreshed every second) trusts the deployment
             response = await client.post(url + "/v1/chat/completions", json=quick)
             assert response.status_code == 200
@@ -234,7 +235,7 @@ async def test_a_sampled_client_traceparent_is_always_exported(
         quiet = await chat(client, url, "plain", {"traceparent": unsampled})
         kept = await chat(client, url, "plain", {"traceparent": sampled})
         last = kept.headers["x-request-id"]
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await collector.receiver.wait_for(lambda _: exported(collector, last))
         metrics = (await client.get(url + "/metrics")).text
     assert quiet.status_code == kept.status_code == 200

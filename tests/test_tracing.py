@@ -34,6 +34,7 @@ from gateway.sim.server import create_sim_app
 from gateway.telemetry import tracing_from_env
 from tests.conftest import free_port, gateway_settings, serve
 from tests.fakes.otlp_receiver import ExportedSpan, OTLPReceiver, RecordingApp
+from tests.timing import scaled
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -238,7 +239,9 @@ async def test_failover_gives_one_client_span_per_attempt(
     settings = two(primary, fallback, "slow@stall_rate=1", budget={"ttft_ms": 300})
     async with traced_gateway(settings, collector.env) as url:
         resp, _ = await stream_chat(client, url)
-        async with asyncio.timeout(5):  # the cut stream reached the primary before the flush
+        async with asyncio.timeout(
+            scaled(5)
+        ):  # the cut stream reached the primary before the flush
             await primary.engine.stats.wait_for(lambda s: s.cancelled == 1)
     assert resp.status_code == 200
     assert resp.headers["x-tailguard-route"] == "ttft_failover"
@@ -281,7 +284,7 @@ async def test_hedge_spans_are_marked(
     )
     async with traced_gateway(settings, collector.env) as url:
         resp, _ = await stream_chat(client, url)
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await primary.engine.stats.wait_for(lambda s: s.cancelled == 1)
     assert resp.headers["x-tailguard-route"] == "hedge"
     server = server_span(collector.receiver)
@@ -453,7 +456,7 @@ async def test_collector_down_costs_nothing(primary: Sim, client: httpx.AsyncCli
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
         "OTEL_EXPORTER_OTLP_TIMEOUT": "0.5",  # tracing.py: values <= 1000 are seconds
     }
-    async with asyncio.timeout(8):
+    async with asyncio.timeout(scaled(8)):
         async with traced_gateway(one(primary), environ) as url:
             for _ in range(10):
                 resp, lines = await stream_chat(client, url)
@@ -484,7 +487,7 @@ async def test_a_stuck_collector_drops_spans_and_counts_them(
             "OTEL_BSP_MAX_QUEUE_SIZE": "2",
             "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2",
         }
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(scaled(20)):
             async with traced_gateway(one(primary), environ) as url:
                 for _ in range(10):
                     plain = await client.post(
@@ -545,13 +548,13 @@ async def test_spans_dropped_by_a_full_queue_are_counted(
     receiver.hold()
     async with traced_gateway(one(primary), environ) as url:
         for _ in range(4):
-            async with asyncio.timeout(2):  # a stuck collector never slows a request
+            async with asyncio.timeout(scaled(2)):  # a stuck collector never slows a request
                 resp, lines = await stream_chat(client, url)
             assert resp.status_code == 200 and lines[-1] == "data: [DONE]"
-        async with asyncio.timeout(3):
+        async with asyncio.timeout(scaled(3)):
             await receiver.wait_for(lambda r: r.held == 1)
         receiver.release()
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(scaled(10)):
             # Every one of the eight spans ends up exported or counted as dropped (the last
             # request's spans end just after its last byte; the export thread drains the rest).
             while True:

@@ -28,11 +28,12 @@ import pytest
 import yaml
 
 from tests.conftest import free_port
+from tests.timing import scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
 WORKERS = 2
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
-START_S = 30.0  # two workers importing the app on a loaded 2-core machine
+START_S = 30.0  # two workers importing the app, on a quiet machine (then scaled)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def sim() -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + START_S
+        deadline = time.monotonic() + scaled(START_S)
         while True:
             with suppress(httpx.TransportError):
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
@@ -161,7 +162,7 @@ def serve(config: Path) -> Iterator[Gateway]:
     gateway = Gateway(process, port, log)
     workers: set[int] = set()
     try:
-        deadline = time.monotonic() + START_S
+        deadline = time.monotonic() + scaled(START_S)
         while f"{WORKERS} workers (pids" not in gateway.log_text():
             assert process.poll() is None, gateway.log_text()
             assert time.monotonic() < deadline, "the workers did not start"
@@ -173,7 +174,7 @@ def serve(config: Path) -> Iterator[Gateway]:
         if process.poll() is None:
             process.terminate()
         try:
-            process.wait(timeout=15)
+            process.wait(timeout=scaled(15))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -194,7 +195,7 @@ def shared(sim: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
 
 async def until(what: str, check: Any, *, within_s: float = 10.0) -> Any:
     """Poll an async check until it returns something truthy, and return that, or fail."""
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + scaled(within_s)
     while not (found := await check()):
         assert time.monotonic() < deadline, f"not reached in time: {what}"
         await asyncio.sleep(0.05)
@@ -342,7 +343,9 @@ async def test_sigterm_drains_every_worker_and_exits_0(sim: str, tmp_path: Path)
             short_started, long_started = asyncio.Event(), asyncio.Event()
             short = asyncio.create_task(stream(first, gateway.url, "short", short_started))
             long = asyncio.create_task(stream(second, gateway.url, "long", long_started))
-            await asyncio.wait_for(asyncio.gather(short_started.wait(), long_started.wait()), 10)
+            await asyncio.wait_for(
+                asyncio.gather(short_started.wait(), long_started.wait()), scaled(10)
+            )
             stopping = time.monotonic()
             gateway.process.send_signal(signal.SIGTERM)
 
@@ -356,15 +359,17 @@ async def test_sigterm_drains_every_worker_and_exits_0(sim: str, tmp_path: Path)
 
             await until("new connections refused", refused, within_s=5)
             assert not long.done()  # refused while the streams still run
-            short_lines, long_lines = await asyncio.wait_for(asyncio.gather(short, long), 15)
-        status = await asyncio.to_thread(gateway.process.wait, 15)
+            short_lines, long_lines = await asyncio.wait_for(
+                asyncio.gather(short, long), scaled(15)
+            )
+        status = await asyncio.to_thread(gateway.process.wait, scaled(15))
         took = time.monotonic() - stopping
     assert short_lines[-1] == "data: [DONE]"
     assert "data: [DONE]" not in long_lines
     error = orjson.loads(long_lines[-1].removeprefix("data: "))["error"]
     assert "shutting down" in error["message"]
     assert status == 0
-    assert took < grace_s + 5  # the grace, plus the workers' own shutdown
+    assert took < grace_s + scaled(5)  # the grace, plus the workers' own shutdown
 
 
 async def test_sighup_reloads_every_worker(sim: str, shared: tuple[Gateway, Path]) -> None:

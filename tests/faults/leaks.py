@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.faults.stall import StallDetector
+from tests.timing import scaled
 
 __all__ = [
     "SERVER_OWNED",
@@ -57,6 +58,7 @@ async def settle(
     what: str | Callable[[], str] = "condition",
 ) -> None:
     """Poll `condition` until it holds; fail with `what` once `within_s` has passed."""
+    within_s = scaled(within_s)
     deadline = time.monotonic() + within_s
     while True:
         result = condition()
@@ -66,7 +68,7 @@ async def settle(
             return
         if time.monotonic() > deadline:
             pytest.fail(
-                f"not settled within {within_s} s: {what if isinstance(what, str) else what()}"
+                f"not settled within {within_s:.1f} s: {what if isinstance(what, str) else what()}"
             )
         await asyncio.sleep(0.01)
 

@@ -1,20 +1,21 @@
-"""An event-loop stall detector: a watchdog thread that notices when the loop stops turning.
+"""An event-loop stall detector: notices when one turn of the loop runs for too long.
 
-The loop updates a heartbeat every `beat_s`. A watchdog thread polls every `poll_s`; whenever it
-sees a fresh heartbeat, or the loop idle in its selector (the loop thread sleeps in
-`epoll_wait`, as /proc/.../wchan says; where the kernel hides that, the innermost frame is the
-selector's), or the loop not running at all, the loop is known to be alive at that moment. The
-time since then is how long the loop has been held, less what the OS and the interpreter cost
-it rather than the code it runs:
+The loop marks, itself, when each turn's work begins (its selector returned) and ends (back to
+the next `select`); a watchdog thread only watches the turn in progress, to take its stack. A
+turn's length is the loop's own wall time, less what the OS and the interpreter cost it rather
+than the code it runs:
 
-- the loop thread's own run-queue delay: runnable, waiting for a CPU (/proc/.../schedstat);
-- while the loop thread waits on a futex (for the GIL, or for a thread it just started), the
-  run-queue delay of the thread it may be waiting for (the largest among the process's others);
+- the loop thread's run-queue delay: runnable, waiting for a CPU (/proc/.../schedstat), read by
+  the loop thread itself at both ends of the turn, so it is exact even though the kernel adds a
+  wait only once the thread is back on a CPU;
+- while the loop thread waits on a futex (for the GIL), the run-queue delay of the thread it
+  may be waiting for (the largest among the process's others), as the watchdog samples it;
 - the time the loop thread spent collecting garbage.
 
-Past `threshold_s` the loop thread's stack is recorded: the code holding the loop. So a process
-descheduled on a busy machine is late but not blocked, and an idle loop sits in the selector;
-a loop held by `time.sleep` or a blocking socket call is never excused.
+So a loop that is idle in its selector is never in a turn (however late the OS wakes it, the
+turn begins only once it runs again), a turn descheduled on a busy machine is late but not
+blocked, and a loop held by `time.sleep` or a blocking socket call is never excused. Past
+`threshold_s` the turn is a stall, with the stack the watchdog took while it was held.
 
 The stack is taken with `faulthandler` (it reads the interpreter's frames without building frame
 objects): walking `f_back` of another thread's live frames can crash CPython 3.11.
@@ -28,8 +29,8 @@ import asyncio
 import faulthandler
 import gc
 import linecache
+import os
 import re
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Generator
@@ -41,16 +42,19 @@ from typing import Any, Final
 
 import pytest
 
+from tests.timing import cpu_slowdown
+
 __all__ = ["Stall", "StallDetector", "loop_watchdog", "pytest_runtest_call"]
 
 THRESHOLD_S: Final = 0.05
 _TASKS: Final = Path("/proc/self/task")
 _FRAME: Final = re.compile(r'^  File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>.*)$')
+_UNSEEN: Final = "  (over before the watchdog thread could take its stack)\n"
 
 
 @dataclass(frozen=True, slots=True)
 class Stall:
-    """The loop was blocked for `blocked_s` (the longest the watchdog saw) running `stack`."""
+    """The loop was blocked for `blocked_s` (one turn, less what was excused) running `stack`."""
 
     blocked_s: float
     stack: str
@@ -66,6 +70,12 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def _run_delay(text: str | bytes | None) -> float | None:
+    """The run-queue delay (seconds) in a schedstat line; None where the kernel does not say."""
+    fields = text.split() if text else []
+    return int(fields[1]) / 1e9 if len(fields) >= 2 and fields[1].isdigit() else None
+
+
 def _run_delays() -> dict[str, float]:
     """Per thread of this process (by native id), the seconds it has spent runnable but waiting
     for a CPU; empty where the kernel does not say."""
@@ -75,10 +85,8 @@ def _run_delays() -> dict[str, float]:
     except OSError:
         return {}
     for tid in threads:
-        text = _read(_TASKS / tid / "schedstat")
-        fields = text.split() if text else []
-        if len(fields) >= 2 and fields[1].isdigit():
-            delays[tid] = int(fields[1]) / 1e9
+        if (delay := _run_delay(_read(_TASKS / tid / "schedstat"))) is not None:
+            delays[tid] = delay
     return delays
 
 
@@ -107,60 +115,87 @@ def _loop_stack(thread_id: int) -> str:
         lines.append(
             f'  File "{file}", line {number}, in {name}\n' + (f"    {source}\n" if source else "")
         )
-    return "".join(reversed(lines)) or dump
+    if block is None:
+        return dump  # the thread is not in the dump: show every thread
+    return "".join(reversed(lines)) or "  (no Python frame: the loop thread was in C code)\n"
 
 
 class StallDetector:
-    """Watches the running event loop while the `async with` block runs; see the module doc.
+    """Watches the running (selector) event loop while the `async with` block runs; see the
+    module doc. `stalls` lists every turn that ran longer than `threshold_s`, once each."""
 
-    `stalls` lists every blocking episode over `threshold_s`, one entry per episode.
-    """
-
-    def __init__(
-        self, *, threshold_s: float = THRESHOLD_S, beat_s: float = 0.01, poll_s: float = 0.005
-    ) -> None:
+    def __init__(self, *, threshold_s: float = THRESHOLD_S, poll_s: float = 0.005) -> None:
         self.threshold_s = threshold_s
-        self.beat_s = beat_s
         self.poll_s = poll_s
         self.stalls: list[Stall] = []
         self.reported = 0  # stalls already turned into a test failure
-        self._beats = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: Any = None  # a BaseSelectorEventLoop: its `_run_once` and `_selector`
         self._thread_id = 0
         self._native_id = ""
-        self._wchan_works = False  # until the loop thread is seen sleeping in a named function
+        self._schedstat: int | None = None  # the loop thread's schedstat, open
+        # The turn in progress, written by the loop thread only.
+        self._turn = 0
+        self._busy = False
+        self._started = self._delay_at = self._gc_at = 0.0
+        # Written by the watchdog thread for the turn it names.
+        self._gil_excused = (0, 0.0)
+        self._stack = (0, "")
         self._gc_s = 0.0  # time the loop thread spent collecting garbage
         self._gc_started: float | None = None
-        self._stop = threading.Event()
+        self._stopping = False  # a plain flag: the watchdog's idle poll holds the GIL briefly
         self._watchdog: threading.Thread | None = None
-        self._heartbeat: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> StallDetector:
-        self._loop = asyncio.get_running_loop()
+        loop: Any = asyncio.get_running_loop()
+        if not hasattr(loop, "_selector"):
+            raise TypeError("StallDetector watches a selector event loop")
+        self._loop = loop
         self._thread_id = threading.get_ident()
         self._native_id = str(threading.get_native_id())
+        try:
+            self._schedstat = os.open(_TASKS / self._native_id / "schedstat", os.O_RDONLY)
+        except OSError:
+            self._schedstat = None  # where the kernel does not say: nothing is excused
         gc.callbacks.append(self._on_gc)
-        # Watching starts with the first heartbeat, after the watchdog thread's own start.
         self._watchdog = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
         self._watchdog.start()
-        self._heartbeat = asyncio.create_task(self._beat(), name="stall-detector-heartbeat")
+        # From the next turn on: the loop reports each turn's start and end.
+        run_once, select = loop._run_once, loop._selector.select
+
+        def watched_run_once() -> None:
+            try:
+                run_once()
+            finally:
+                if self._busy:
+                    self._end_turn()
+
+        def watched_select(timeout: float | None = None) -> Any:
+            if self._busy:  # a turn that did not end in `_run_once` (not expected)
+                self._end_turn()
+            events = select(timeout)
+            self._delay_at, self._gc_at = self._own_delay(), self._gc_total()
+            self._started = time.monotonic()
+            self._turn += 1
+            self._busy = True
+            return events
+
+        loop._run_once, loop._selector.select = watched_run_once, watched_select
         return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._stop.set()
+        loop = self._loop
+        del loop._run_once, loop._selector.select  # back to the class's own methods
+        if self._busy:  # this turn so far
+            self._end_turn()
+        self._stopping = True
         if self._watchdog is not None:
             self._watchdog.join(1.0)  # it polls every few ms
         gc.callbacks.remove(self._on_gc)
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            try:
-                await self._heartbeat
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # our own caller is being cancelled, not just the heartbeat
+        if self._schedstat is not None:
+            os.close(self._schedstat)
+            self._schedstat = None
 
     def report(self) -> str | None:
         """The stalls not reported yet, as text (None if there are none); marks them reported."""
@@ -168,10 +203,26 @@ class StallDetector:
         self.reported += len(fresh)
         return "\n\n".join(str(stall) for stall in fresh) if fresh else None
 
-    async def _beat(self) -> None:
-        while True:
-            self._beats += 1
-            await asyncio.sleep(self.beat_s)
+    def _end_turn(self) -> None:
+        """On the loop thread, as a turn ends: record it if it held the loop too long."""
+        self._busy = False
+        if self._stopping:
+            return
+        wall = time.monotonic() - self._started
+        if wall <= self.threshold_s:
+            return
+        turn, (gil_turn, gil) = self._turn, self._gil_excused
+        excused = self._own_delay() - self._delay_at + self._gc_total() - self._gc_at
+        blocked = wall - excused - (gil if gil_turn == turn else 0.0)
+        if blocked > self.threshold_s:
+            stack_turn, stack = self._stack
+            self.stalls.append(Stall(blocked, stack if stack_turn == turn else _UNSEEN))
+
+    def _own_delay(self) -> float:
+        """The loop thread's run-queue delay so far: one `pread` of its open schedstat."""
+        if self._schedstat is None:
+            return 0.0
+        return _run_delay(os.pread(self._schedstat, 128, 0)) or 0.0
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if threading.get_ident() != self._thread_id:
@@ -186,69 +237,39 @@ class StallDetector:
         started = self._gc_started
         return self._gc_s + (time.monotonic() - started if started is not None else 0.0)
 
-    def _waiting_in(self) -> str:
-        """The kernel function the loop thread sleeps in ("0" while it runs or is runnable, and
-        where the kernel does not say)."""
-        return (_read(_TASKS / self._native_id / "wchan") or "0").strip()
-
-    def _idle(self, kernel_wait: str) -> bool:
-        """Whether the loop thread waits in its selector."""
-        if kernel_wait != "0":
-            self._wchan_works = True
-            return "epoll" in kernel_wait or "ep_poll" in kernel_wait
-        if self._wchan_works:
-            return False  # running (or runnable): not waiting in anything
-        # The kernel may hide wchan: look at the innermost frame (never at its f_back).
-        frame = sys._current_frames().get(self._thread_id)
-        code = frame.f_code if frame is not None else None
-        return (
-            code is not None
-            and code.co_name == "select"
-            and code.co_filename.endswith("selectors.py")
-        )
-
     def _watch(self) -> None:
-        """Poll until stopped. An episode starts when the watchdog first sees the loop held
-        (at most a poll after it began); `excused` sums what the loop lost to others since."""
-        beats = self._beats
-        held_since: float | None = None
-        delays: dict[str, float] = {}
-        gc_at = excused = 0.0
-        reported = False  # the current episode was recorded already
-        while not self._stop.wait(self.poll_s):
-            now = time.monotonic()
-            loop = self._loop
-            kernel_wait = self._waiting_in()
-            idle = self._idle(kernel_wait)
-            running = loop is not None and loop.is_running()
-            if self._beats == 0 or self._beats != beats or idle or not running:
-                beats, held_since, reported = self._beats, None, False
+        """Poll until stopped: while one turn goes on, excuse the GIL holder's run-queue delay
+        and take the turn's stack once it looks long (an upper bound: a run-queue wait in
+        progress is not counted yet)."""
+        own = _TASKS / self._native_id / "schedstat"
+        seen, gil, others = 0, 0.0, None
+        # time.sleep, not Event.wait: a few bytecodes with the GIL per poll rather than a hundred,
+        # so the watchdog is rarely descheduled while the loop waits for the GIL it holds.
+        while not self._stopping:
+            time.sleep(self.poll_s)
+            turn, started = self._turn, self._started
+            if not self._busy:
                 continue
-            latest = _run_delays()
-            if held_since is None:
-                held_since, delays, gc_at, excused = now, latest, self._gc_total(), 0.0
-                continue
-            own = latest.get(self._native_id, 0.0) - delays.get(self._native_id, 0.0)
-            others = max(
-                (d - delays.get(tid, 0.0) for tid, d in latest.items() if tid != self._native_id),
-                default=0.0,
-            )
-            excused += own + (others if kernel_wait.startswith("futex") else 0.0)
-            excused += self._gc_total() - gc_at
-            delays, gc_at = latest, self._gc_total()
-            blocked = now - held_since - excused
-            if reported:  # the same episode goes on: keep its first stack, note the longest
-                last = self.stalls[-1]
-                self.stalls[-1] = Stall(max(blocked, last.blocked_s), last.stack)
-            elif blocked > self.threshold_s:
-                reported = True
-                self.stalls.append(Stall(blocked, _loop_stack(self._thread_id)))
+            if turn != seen:  # a new turn: nothing excused or taken for it yet
+                seen, others, gil = turn, None, 0.0
+            if (_read(_TASKS / self._native_id / "wchan") or "").startswith("futex"):
+                latest = _run_delays()
+                latest.pop(self._native_id, None)
+                if others is not None:
+                    gil += max((d - others.get(t, d) for t, d in latest.items()), default=0.0)
+                    self._gil_excused = (turn, gil)
+                others = latest
+            delay = (_run_delay(_read(own)) or self._delay_at) - self._delay_at
+            held = time.monotonic() - started - delay - gil
+            if held > self.threshold_s * 0.6 and self._stack[0] != turn and self._turn == turn:
+                self._stack = (turn, _loop_stack(self._thread_id))
 
 
 @pytest.fixture(autouse=True)
 async def loop_watchdog() -> AsyncIterator[StallDetector]:
-    """Fails a test whose event loop is blocked for more than 50 ms, showing the blocking stack."""
-    async with StallDetector() as detector:
+    """Fails a test whose event loop is blocked for more than 50 ms (of the reference machine's
+    CPU time: longer where the same work takes more CPU now), showing the blocking stack."""
+    async with StallDetector(threshold_s=THRESHOLD_S * cpu_slowdown()) as detector:
         yield detector
     if (report := detector.report()) is not None:  # a stall in some fixture's teardown
         pytest.fail(report, pytrace=False)

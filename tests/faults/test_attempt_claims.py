@@ -37,6 +37,7 @@ from gateway.validate import parse_call
 from tests.conftest import run_gateway
 from tests.faults.conftest import chat, routed, settled
 from tests.faults.wire import DONE, Exchange, RawUpstream, sse_token
+from tests.timing import scaled
 
 # --- the case from the field ---------------------------------------------------------------------
 
@@ -72,11 +73,11 @@ async def test_a_probe_that_fails_oddly_does_not_disable_the_deployment(
         first = await client.post(url, json=chat(stream=True))
         assert first.status_code == 502
         # Until the cooldown ends the gateway answers without calling; then the probe goes out.
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             while up.requests < 2:
                 await client.post(url, json=chat(stream=True))
         served = None
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             while served is None or served.status_code != 200:
                 served = await client.post(url, json=chat(stream=True))
                 assert served.status_code in (200, 429, 502, 503), served.text
@@ -278,7 +279,7 @@ async def test_every_attempt_exit_gives_back_what_it_claimed(
     except (GatewayError, RuntimeError, OverflowError, asyncio.CancelledError, TimeoutError):
         pass  # every way a request may end; what matters is what is left behind
     if upstreams.open_now:  # a cancelled request's losers finish unwinding in the background
-        async with asyncio.timeout(1):
+        async with asyncio.timeout(scaled(1)):
             await upstreams.all_closed.wait()
 
     assert guards.cooldowns.probes_out() == 0, stages

@@ -20,6 +20,7 @@ from tests.conftest import Upstream, free_port, run_gateway
 from tests.faults.conftest import MESSAGES, routed, sdk, settled
 from tests.faults.scripts import answer, reset_before_headers
 from tests.faults.wire import RawUpstream, Script
+from tests.timing import scaled
 
 OPENAI_500 = orjson.dumps({"error": {"message": "boom", "type": "server_error", "code": None}})
 RATE_LIMITED = orjson.dumps({"error": {"message": "slow down", "type": "rate_limit_error"}})
@@ -53,7 +54,7 @@ async def test_error_status_without_fallback_is_one_clean_error(fault: str, stre
     exception, naming the deployment, after exactly one upstream request."""
     script, status, code = FAULTS[fault]
     async with RawUpstream(script) as up, run_gateway(routed(up.base_url, "bad")) as gw:
-        async with sdk(gw) as client, asyncio.timeout(5):
+        async with sdk(gw) as client, asyncio.timeout(scaled(5)):
             with pytest.raises(openai.APIStatusError) as caught:
                 await complete(client, stream=stream)
         await settled(up.url)
@@ -75,7 +76,7 @@ async def test_error_status_with_fallback_is_served_by_the_fallback(
     script = FAULTS[fault][0]
     async with RawUpstream(script) as up:
         settings = routed(up.base_url, "bad", upstream.base_url)
-        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(scaled(5)):
             raw = await client.chat.completions.with_raw_response.create(
                 model="m", messages=MESSAGES, stream=True
             )
@@ -99,7 +100,7 @@ async def test_huge_retry_after_is_capped_for_the_client() -> None:
         RawUpstream(HUGE_429) as up,
         run_gateway(routed(up.base_url, "bad")) as gw,
         sdk(gw) as client,
-        asyncio.timeout(5),
+        asyncio.timeout(scaled(5)),
     ):
         with pytest.raises(openai.RateLimitError) as caught:
             await complete(client, stream=True)
@@ -111,7 +112,7 @@ async def test_huge_retry_after_cooldown_is_capped(client: httpx.AsyncClient) ->
     nowhere else to go the next request is still sent (as the probe), and the client is told a
     bounded `retry-after` again."""
     async with RawUpstream(HUGE_429) as up, run_gateway(routed(up.base_url, "bad")) as gw:
-        async with sdk(gw) as openai_client, asyncio.timeout(5):
+        async with sdk(gw) as openai_client, asyncio.timeout(scaled(5)):
             with pytest.raises(openai.RateLimitError):
                 await complete(openai_client, stream=True)
             latency = (await client.get(gw.url + "/admin/latency")).json()
@@ -129,7 +130,7 @@ async def test_connect_refused(upstream: Upstream, fallback: bool) -> None:
     """A deployment whose port refuses connections fails fast: a 502 naming it, or the fallback."""
     dead = f"http://127.0.0.1:{free_port()}/v1"
     settings = routed(dead, "gone", upstream.base_url if fallback else None)
-    async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(5):
+    async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(scaled(5)):
         started = time.perf_counter()
         if fallback:
             assert await complete(client, stream=True)
@@ -140,7 +141,7 @@ async def test_connect_refused(upstream: Upstream, fallback: bool) -> None:
             assert "p/gone" in caught.value.message
         elapsed = time.perf_counter() - started
         await settled(dead, upstream.url, at_most=1)
-    assert elapsed < 1.0
+    assert elapsed < scaled(1.0)
 
 
 @pytest.mark.parametrize("read_first", [False, True], ids=["on-accept", "after-request"])
@@ -153,7 +154,7 @@ async def test_reset_before_headers_falls_back(
     script = reset_before_headers(how=how, read_first=read_first)
     async with RawUpstream(script) as up:
         settings = routed(up.base_url, "rude", upstream.base_url)
-        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(scaled(5)):
             for stream in (True, False):
                 assert await complete(client, stream=stream)
             await settled(up.url)
@@ -164,7 +165,7 @@ async def test_reset_before_headers_without_fallback_is_502() -> None:
     """With nothing to fall back on, a reset before headers is a 502 naming the deployment."""
     script = reset_before_headers(how="reset", read_first=True)
     async with RawUpstream(script) as up, run_gateway(routed(up.base_url, "rude")) as gw:
-        async with sdk(gw) as client, asyncio.timeout(5):
+        async with sdk(gw) as client, asyncio.timeout(scaled(5)):
             with pytest.raises(openai.InternalServerError) as caught:
                 await complete(client, stream=True)
         await settled(up.url)

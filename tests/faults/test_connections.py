@@ -31,6 +31,7 @@ from tests.conftest import Gateway, free_port, gateway_settings, run_gateway
 from tests.faults.conftest import http_client, settled
 from tests.faults.leaks import fd_count, links, port_of, settle
 from tests.test_operations import TAILGUARD, config, gateway_from, write
+from tests.timing import scaled
 
 READ_S = 0.4  # server.read_timeout_s
 IDLE_S = 0.4  # server.keepalive_timeout_s
@@ -260,7 +261,7 @@ async def test_an_answer_after_the_whole_body_keeps_the_connection(gw: Gateway) 
     try:
         for request, status in exchanges:
             writer.write(request)
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(scaled(5)):
                 top = await reader.readuntil(b"\r\n\r\n")
                 length = int(top.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                 await reader.readexactly(length)
@@ -460,7 +461,7 @@ async def test_a_reload_without_keys_is_refused_beyond_loopback(
     caplog.set_level(logging.WARNING, logger="tailguard")
     path = tmp_path / "gateway.yaml"
     keyed = {**config("a", access_log=False, **server), "auth": KEYS}
-    async with from_file(path, keyed) as url, asyncio.timeout(20):
+    async with from_file(path, keyed) as url, asyncio.timeout(scaled(20)):
         assert (await http.get(url + "/v1/models")).status_code == 401
         await asyncio.to_thread(write, path, config("a", "b", access_log=False, **server))
 
@@ -519,7 +520,7 @@ async def test_the_cli_host_is_what_a_reload_is_judged_by(
     file's, decides, so the reload without keys is refused there too."""
     path = tmp_path / "gateway.yaml"
     await asyncio.to_thread(write, path, {**config("a"), "auth": KEYS})
-    async with served_by_cli(path, "--host", "0.0.0.0") as url, asyncio.timeout(30):
+    async with served_by_cli(path, "--host", "0.0.0.0") as url, asyncio.timeout(scaled(30)):
         await asyncio.to_thread(write, path, config("a", "b"))
 
         async def refused() -> bool:

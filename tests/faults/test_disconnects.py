@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import run_gateway
 from tests.faults.conftest import MESSAGES, chat, routed, sdk, settled
 from tests.faults.wire import Exchange, RawUpstream, sse_token
+from tests.timing import scaled
 
 NOTICE_S = 1.0  # how soon the upstream must see the close after the client left
 
@@ -93,7 +94,7 @@ async def test_disconnect_mid_stream_closes_the_upstream() -> None:
     """A client (the SDK) that closes a stream after two chunks makes the gateway close the
     upstream connection within about a chunk, rather than reading the rest."""
     async with RawUpstream(endless) as up, run_gateway(routed(up.base_url, "chatty")) as gw:
-        async with sdk(gw) as client, asyncio.timeout(5):
+        async with sdk(gw) as client, asyncio.timeout(scaled(5)):
             chunks = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
             got = [await anext(chunks), await anext(chunks)]
             await chunks.close()
@@ -117,7 +118,7 @@ async def test_many_disconnects_leave_nothing_open(client: httpx.AsyncClient) ->
                     if line.startswith("data: {"):
                         return
 
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await asyncio.gather(*(leave_after_a_token() for _ in range(20)))
             await up.wait_for(lambda u: u.peer_closes == 20)
             await settled(up.url, gateway=gw.url)

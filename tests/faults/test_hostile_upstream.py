@@ -29,8 +29,12 @@ from tests.conftest import Upstream, gateway_settings, run_gateway
 from tests.faults.conftest import chat, settled
 from tests.faults.scripts import answer, stream
 from tests.faults.wire import DONE, Exchange, RawUpstream, Script, sse_finish, sse_token
+from tests.timing import scaled, slowdown
 
-IDLE_MS: Final = 400  # the test providers' stream_idle_timeout_ms
+# Every time limit configured into the gateways here stretches by one factor, measured once, so
+# that which limit trips first is the same on a busy machine as on a quiet one.
+SLOW: Final = slowdown()
+IDLE_MS: Final = round(400 * SLOW)  # the test providers' stream_idle_timeout_ms
 MB: Final = 1024 * 1024
 # Less than half the growth a comment flood caused in 4 s before the bounds, and well above
 # the largest held legitimately: one event of up to MAX_EVENT_BYTES (8 MB) being framed.
@@ -175,7 +179,7 @@ AFTER_FIRST_TOKEN: dict[str, tuple[Script, str]] = {
 
 BUDGETS: dict[str, dict[str, Any]] = {
     "no-budget": {},
-    "budget": {"budget": {"ttft_ms": 300, "total_ms": 1500}},
+    "budget": {"budget": {"ttft_ms": round(300 * SLOW), "total_ms": round(1500 * SLOW)}},
 }
 
 
@@ -264,7 +268,7 @@ async def test_memory_stays_bounded(client: httpx.AsyncClient, behaviour: str, b
     ):
         growth = PeakGrowth()
         try:
-            async with asyncio.timeout(4):
+            async with asyncio.timeout(scaled(4)):
                 status, tail = await read_stream(client, gw.url)
         except TimeoutError:
             status, tail = 0, b""  # still going: reported below, after the memory
@@ -293,7 +297,7 @@ async def test_anthropic_ping_flood_is_bounded(client: httpx.AsyncClient) -> Non
             [{"name": "m", "deployments": [{"provider": "p", "model": "raw"}]}],
             server={"access_log": False},
         )
-        async with run_gateway(config) as gw, asyncio.timeout(5):
+        async with run_gateway(config) as gw, asyncio.timeout(scaled(5)):
             growth = PeakGrowth()
             status, tail = await read_stream(client, gw.url)
             assert growth.mb < MAX_GROWTH_MB
@@ -312,7 +316,7 @@ async def test_precommit_bound_fails_over(
     script = stream(*[ROLE_ONLY] * 200, TOKEN, end="done")
     async with RawUpstream(script) as up:
         config = settings(up.base_url, upstream.base_url, provider=limits)
-        async with run_gateway(config) as gw, asyncio.timeout(5):
+        async with run_gateway(config) as gw, asyncio.timeout(scaled(5)):
             async with client.stream(
                 "POST", gw.url + "/v1/chat/completions", json=chat(stream=True)
             ) as response:
@@ -331,7 +335,7 @@ async def test_precommit_events_within_the_bound_are_relayed(client: httpx.Async
         config = settings(up.base_url, provider={"max_precommit_events": 20})
         async with (
             run_gateway(config) as gw,
-            asyncio.timeout(5),
+            asyncio.timeout(scaled(5)),
             client.stream(
                 "POST", gw.url + "/v1/chat/completions", json=chat(stream=True)
             ) as response,
@@ -359,7 +363,11 @@ async def test_flood_leaves_the_gateway_responsive(
     async with RawUpstream(script) as up:
         config = gateway_settings(
             {
-                "p": {"type": "openai", "base_url": up.base_url, "stream_idle_timeout_ms": 1500},
+                "p": {
+                    "type": "openai",
+                    "base_url": up.base_url,
+                    "stream_idle_timeout_ms": round(1500 * SLOW),
+                },
                 "f": {"type": "openai", "base_url": upstream.base_url},
             },
             [
@@ -370,7 +378,7 @@ async def test_flood_leaves_the_gateway_responsive(
         )
         async with run_gateway(config) as gw:
             flooded = asyncio.create_task(read_stream(client, gw.url))
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(scaled(5)):
                 await flooding.wait()
             delays = []
             for _ in range(5):
@@ -383,14 +391,14 @@ async def test_flood_leaves_the_gateway_responsive(
                 delays.append(time.perf_counter() - started)
                 assert other.status_code == 200
             assert not flooded.done()  # the flood lasted through every probe
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(scaled(5)):
                 status, tail = await flooded
             await settled(up.url, upstream.url, at_most=1)
     # A gateway the flood blocked would answer only once the flood ends (its 1.5 s idle
     # timeout): the typical probe is answered at once, and even the slowest well before that
-    # (a busy machine may delay one by a scheduling slice or two).
-    assert statistics.median(delays) < 0.1, delays
-    assert max(delays) < 0.5, delays
+    # (a busy machine may delay one by a scheduling slice or two; it stretches both alike).
+    assert statistics.median(delays) < 0.1 * SLOW, delays
+    assert max(delays) < 0.5 * SLOW, delays
     if where == "before-first-token":
         assert status == 504
         assert error_of(tail)["code"] == "upstream_timeout"
@@ -411,7 +419,7 @@ async def test_trickle_before_first_token_ends_at_the_idle_timeout(
     fallback serves, or a 504 names the deployment; the upstream sees the close."""
     async with RawUpstream(trickle()) as up:
         config = settings(up.base_url, upstream.base_url if fallback else None)
-        async with run_gateway(config) as gw, asyncio.timeout(5):
+        async with run_gateway(config) as gw, asyncio.timeout(scaled(5)):
             started = time.perf_counter()
             async with client.stream(
                 "POST", gw.url + "/v1/chat/completions", json=chat(stream=True)
@@ -419,7 +427,7 @@ async def test_trickle_before_first_token_ends_at_the_idle_timeout(
                 body = await response.aread()
             elapsed = time.perf_counter() - started
             await settled(up.url, upstream.url, at_most=1)
-    assert IDLE_MS / 1000 <= elapsed < IDLE_MS / 1000 + 1.0
+    assert IDLE_MS / 1000 <= elapsed < IDLE_MS / 1000 + scaled(1.0)
     if fallback:
         assert response.status_code == 200
         assert response.headers["x-tailguard-deployment"] == "f/ok"
@@ -440,7 +448,7 @@ async def test_trickle_after_first_token_ends_with_an_error_event(
     async with (
         RawUpstream(trickle(first=TOKEN)) as up,
         run_gateway(settings(up.base_url)) as gw,
-        asyncio.timeout(5),
+        asyncio.timeout(scaled(5)),
     ):
         started = time.perf_counter()
         status, tail = await read_stream(client, gw.url)
@@ -451,7 +459,7 @@ async def test_trickle_after_first_token_ends_with_an_error_event(
     error = final_error_event(tail)
     assert error["code"] == "upstream_timeout"
     assert "p/raw" in error["message"]
-    assert IDLE_MS / 1000 <= elapsed < IDLE_MS / 1000 + 1.0
+    assert IDLE_MS / 1000 <= elapsed < IDLE_MS / 1000 + scaled(1.0)
 
 
 async def test_slow_steady_content_is_not_idle(client: httpx.AsyncClient) -> None:
@@ -461,7 +469,7 @@ async def test_slow_steady_content_is_not_idle(client: httpx.AsyncClient) -> Non
     async with (
         RawUpstream(steady(8, every_s)) as up,
         run_gateway(settings(up.base_url)) as gw,
-        asyncio.timeout(5),
+        asyncio.timeout(scaled(5)),
     ):
         status, tail = await read_stream(client, gw.url)
         await settled(up.url)
@@ -479,7 +487,7 @@ async def test_a_slow_client_does_not_make_the_upstream_idle(client: httpx.Async
     async with (
         RawUpstream(firehose(count, "x" * 4000, sent)) as up,
         run_gateway(settings(up.base_url)) as gw,
-        asyncio.timeout(10),
+        asyncio.timeout(scaled(10)),
     ):
         body = chat(stream=True)
         async with client.stream("POST", gw.url + "/v1/chat/completions", json=body) as resp:
@@ -563,7 +571,7 @@ async def test_invalid_utf8_before_commit_is_one_rule(
     script = stream(BAD_EVENTS[where], end="done") if streamed else answer(200, BAD_BODIES[where])
     async with RawUpstream(script) as up:
         config = settings(up.base_url, upstream.base_url if fallback else None)
-        async with run_gateway(config) as gw, asyncio.timeout(5):
+        async with run_gateway(config) as gw, asyncio.timeout(scaled(5)):
             async with client.stream(
                 "POST", gw.url + "/v1/chat/completions", json=chat(stream=streamed)
             ) as response:
@@ -590,7 +598,7 @@ async def test_invalid_utf8_after_commit_ends_with_an_error_event(
     hold = asyncio.Event()
     script = stream(TOKEN, BAD_EVENTS[where], TOKEN, end="done", hold=hold)
     async with RawUpstream(script) as up, run_gateway(settings(up.base_url)) as gw:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             body = chat(stream=True)
             async with client.stream("POST", gw.url + "/v1/chat/completions", json=body) as resp:
                 received = b""

@@ -26,6 +26,7 @@ from tests.faults.conftest import chat, routed, settled
 from tests.faults.leaks import settle
 from tests.faults.wire import Exchange, RawUpstream
 from tests.test_operations import config, gateway_from, write
+from tests.timing import scaled
 
 # --- the trace collector -------------------------------------------------------------------------
 
@@ -130,7 +131,7 @@ async def test_invalid_config_reload_keeps_the_old_config_serving(
     first = config("a=a@tokens_per_s=100,output_tokens=20", access_log=False)
     await asyncio.to_thread(write, path, first)
     body = chat("a", stream=True)
-    async with gateway_from(path) as url, asyncio.timeout(10):
+    async with gateway_from(path) as url, asyncio.timeout(scaled(10)):
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
             lines = resp.aiter_lines()
             assert (await anext(lines)).startswith("data: ")
@@ -225,7 +226,7 @@ async def test_shutdown_with_open_streams_ends_them_cleanly(
         waiting = asyncio.create_task(
             client.post(url + "/v1/chat/completions", json=chat("waiting", stream=True))
         )
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             await streaming_started.wait()
             await upstream.stats.wait_for(lambda s: s.requests == 2)
             stopping = time.perf_counter()

@@ -23,10 +23,14 @@ from tests.faults.conftest import chat, routed
 from tests.faults.leaks import settle
 from tests.faults.wire import RedisProxy
 from tests.test_metrics import scrape
+from tests.timing import scaled
 
 KEY, KEY_HASH = new_key()
 ADMIN, ADMIN_HASH = new_key()
 HUNG_S = 5.0  # a reply held this long never arrives within any check's timeout
+# A healthy Redis answers well within this even when the machine is busy (the default 50 ms is
+# missed when redis-server waits for a CPU); a hung one still times out long before HUNG_S.
+CHECK_MS = min(1000, round(scaled(250)))
 
 
 class Clock:
@@ -41,7 +45,7 @@ def auth(redis_url: str, **limits: Any) -> dict[str, Any]:
     return {
         "keys": [{"name": "team", "sha256": KEY_HASH, "rpm": 1000}],
         "admin_keys": [{"name": "ops", "sha256": ADMIN_HASH}],
-        "rate_limits": {"store": "redis", "redis_url": redis_url, **limits},
+        "rate_limits": {"store": "redis", "redis_url": redis_url, "timeout_ms": CHECK_MS, **limits},
     }
 
 

@@ -21,6 +21,7 @@ from tests.conftest import Gateway, Upstream, run_gateway
 from tests.faults.conftest import MESSAGES, chat, routed, sdk, settled
 from tests.faults.scripts import answer, cut_body, silent, stream
 from tests.faults.wire import RawUpstream, Script, sse_finish, sse_token
+from tests.timing import scaled
 
 TOKENS = (sse_token("Hello"), sse_token(" world"))
 
@@ -62,7 +63,7 @@ async def test_stall_before_first_token_fails_over_at_the_deadline(
     its TTFT deadline; the fallback streams, and the primary sees its connection closed."""
     async with RawUpstream(silent(head=head)) as up:
         settings = routed(up.base_url, "mute", upstream.base_url, budget={"ttft_ms": 300})
-        async with run_gateway(settings) as gw, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, asyncio.timeout(scaled(5)):
             started = time.perf_counter()
             status, lines = await sse(client, gw.url)
             elapsed = time.perf_counter() - started
@@ -70,7 +71,7 @@ async def test_stall_before_first_token_fails_over_at_the_deadline(
             await settled(up.url)
     assert status == 200
     assert lines[-1] == "data: [DONE]"
-    assert elapsed < 0.6  # deadline 300 - 1.1 x 50 ms, then the fallback's first token
+    assert elapsed < scaled(0.6)  # deadline 300 - 1.1 x 50 ms, then the fallback's first token
 
 
 async def test_stall_without_successor_is_bounded_by_the_total_budget() -> None:
@@ -78,7 +79,7 @@ async def test_stall_without_successor_is_bounded_by_the_total_budget() -> None:
     budget ends: a 504 `budget_exceeded`, and the upstream sees the close."""
     async with RawUpstream(silent(head="full")) as up:
         settings = routed(up.base_url, "mute", budget={"ttft_ms": 100, "total_ms": 400})
-        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, sdk(gw) as client, asyncio.timeout(scaled(5)):
             started = time.perf_counter()
             with pytest.raises(openai.InternalServerError) as caught:
                 await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
@@ -87,7 +88,7 @@ async def test_stall_without_successor_is_bounded_by_the_total_budget() -> None:
             await settled(up.url)
     assert caught.value.status_code == 504
     assert caught.value.code == "budget_exceeded"
-    assert 0.35 < elapsed < 1.0
+    assert 0.35 < elapsed < scaled(1.0)
 
 
 # --- failures after the first token --------------------------------------------------------------
@@ -98,7 +99,7 @@ async def test_stall_mid_stream_ends_with_a_timeout_event(client: httpx.AsyncCli
     `upstream_timeout` error event, no `[DONE]`, and the upstream sees the close."""
     async with RawUpstream(stream(*TOKENS, end="stall")) as up:
         settings = routed(up.base_url, "stuck", budget={"total_ms": 400})
-        async with run_gateway(settings) as gw, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, asyncio.timeout(scaled(5)):
             started = time.perf_counter()
             status, lines = await sse(client, gw.url)
             elapsed = time.perf_counter() - started
@@ -109,7 +110,7 @@ async def test_stall_mid_stream_ends_with_a_timeout_event(client: httpx.AsyncCli
     assert status == 200
     assert last_error(lines)["code"] == "upstream_timeout"
     assert sum('"content":"' in line for line in lines) == 2
-    assert 0.35 < elapsed < 1.0
+    assert 0.35 < elapsed < scaled(1.0)
     assert "total budget" in error.message
 
 
@@ -129,7 +130,7 @@ async def test_truncated_stream_is_never_a_clean_end(client: httpx.AsyncClient, 
     async with (
         RawUpstream(TRUNCATIONS[how]) as up,
         run_gateway(routed(up.base_url, "short")) as gw,
-        asyncio.timeout(5),
+        asyncio.timeout(scaled(5)),
     ):
         status, lines = await sse(client, gw.url)
         error = await sdk_stream_fails(gw)
@@ -149,7 +150,7 @@ async def test_truncated_stream_on_the_anthropic_endpoint_ends_with_an_error_eve
     async with (
         RawUpstream(TRUNCATIONS["chunked-cut"]) as up,
         run_gateway(routed(up.base_url, "short")) as gw,
-        asyncio.timeout(5),
+        asyncio.timeout(scaled(5)),
     ):
         async with client.stream("POST", gw.url + "/v1/messages", json=body) as resp:
             text = (await resp.aread()).decode()
@@ -169,10 +170,10 @@ async def test_body_cut_short_is_a_502_or_the_fallback(
     failure: a 502 naming it, or, with a fallback, the fallback's answer."""
     script = cut_body(200, b'{"id":"x","choices":[{"index":0,', declared=1000)
     async with RawUpstream(script) as up:
-        async with run_gateway(routed(up.base_url, "short")) as gw, asyncio.timeout(5):
+        async with run_gateway(routed(up.base_url, "short")) as gw, asyncio.timeout(scaled(5)):
             alone = await client.post(gw.base_url + "/chat/completions", json=chat())
         settings = routed(up.base_url, "short", upstream.base_url)
-        async with run_gateway(settings) as gw, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, asyncio.timeout(scaled(5)):
             rescued = await client.post(gw.base_url + "/chat/completions", json=chat())
             await settled(up.url)
     assert alone.status_code == 502
@@ -203,7 +204,7 @@ async def test_garbage_before_the_first_token_is_a_502(
     """What is not an SSE stream of JSON events (plain text, an HTML page from a proxy, with a
     200 or a 502) is refused before anything is sent: an OpenAI-shaped 502."""
     async with RawUpstream(script) as up, run_gateway(routed(up.base_url, "junk")) as gw:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             resp = await client.post(gw.base_url + "/chat/completions", json=chat(stream=True))
             await settled(up.url)
     assert resp.status_code == 502
@@ -217,7 +218,7 @@ async def test_html_page_for_a_body_request_is_a_502(client: httpx.AsyncClient) 
     """A non-streaming request answered with an HTML page and a 200 is a 502 too."""
     script = answer(200, HTML, content_type="text/html")
     async with RawUpstream(script) as up, run_gateway(routed(up.base_url, "junk")) as gw:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             resp = await client.post(gw.base_url + "/chat/completions", json=chat())
             await settled(up.url)
     assert resp.status_code == 502
@@ -230,7 +231,7 @@ async def test_garbage_before_the_first_token_falls_back(
     """Garbage is a failure of the deployment: with a fallback, the client never sees it."""
     async with RawUpstream(stream(b"data: hello\n\n", end="done")) as up:
         settings = routed(up.base_url, "junk", upstream.base_url)
-        async with run_gateway(settings) as gw, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, asyncio.timeout(scaled(5)):
             status, lines = await sse(client, gw.url)
             await settled(up.url)
     assert status == 200
@@ -251,7 +252,7 @@ async def test_garbage_after_the_first_token_is_an_error_event(
     script = stream(TOKENS[0], garbage, TOKENS[1], end="done", hold=first_seen)
     body = chat(stream=True)
     async with RawUpstream(script) as up, run_gateway(routed(up.base_url, "junk")) as gw:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             async with client.stream("POST", gw.base_url + "/chat/completions", json=body) as resp:
                 lines = []
                 async for line in resp.aiter_lines():
@@ -300,7 +301,7 @@ async def test_flat_error_in_a_200_body_is_the_clients_400(
     body = flat_error(400, "This model's maximum context length is 4096 tokens.")
     async with RawUpstream(answer(200, body)) as up:
         settings = routed(up.base_url, "old", upstream.base_url)
-        async with run_gateway(settings) as gw, sdk(gw) as sdk_client, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, sdk(gw) as sdk_client, asyncio.timeout(scaled(5)):
             with pytest.raises(openai.BadRequestError) as caught:
                 await sdk_client.chat.completions.create(model="m", messages=MESSAGES)
             await settled(up.url)
@@ -318,7 +319,7 @@ async def test_flat_server_error_in_a_200_falls_back(
     script = stream(b"data: " + body + b"\n\n", end="done") if streamed else answer(200, body)
     async with RawUpstream(script) as up:
         settings = routed(up.base_url, "old", upstream.base_url)
-        async with run_gateway(settings) as gw, asyncio.timeout(5):
+        async with run_gateway(settings) as gw, asyncio.timeout(scaled(5)):
             resp = await client.post(gw.base_url + "/chat/completions", json=chat(stream=True))
             await settled(up.url)
     assert resp.status_code == 200
@@ -332,7 +333,7 @@ async def test_flat_server_error_without_fallback_is_a_clean_error(
     """Without a fallback, a flat 503 error in a 200 stream becomes a 503 in OpenAI's shape."""
     script = stream(b"data: " + flat_error(503, "engine overloaded") + b"\n\n", end="done")
     async with RawUpstream(script) as up, run_gateway(routed(up.base_url, "old")) as gw:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             resp = await client.post(gw.base_url + "/chat/completions", json=chat(stream=True))
             await settled(up.url)
     assert resp.status_code == 503
@@ -350,7 +351,7 @@ async def test_error_event_after_the_first_token_is_passed_on_as_an_error(
         TOKENS[0], b"data: " + flat_error(500, "CUDA out of memory") + b"\n\n", end="done"
     )
     async with RawUpstream(script) as up, run_gateway(routed(up.base_url, "old")) as gw:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             status, lines = await sse(client, gw.url)
             await settled(up.url)
     assert status == 200

@@ -8,6 +8,7 @@ test's loop (and its autouse watchdog) stays idle while the scenario blocks.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 from tests.faults.stall import Stall, StallDetector
+from tests.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,6 +69,7 @@ async def test_idle_and_stopped_loops_are_not_stalls() -> None:
     assert await asyncio.to_thread(stopped_loop) == []
 
 
+# 0.3 s: over the fixture's limit even where it is stretched for a slow CPU (at most 200 ms).
 TEST_FILE = textwrap.dedent(
     """
     import asyncio
@@ -74,7 +77,7 @@ TEST_FILE = textwrap.dedent(
 
 
     async def blocking_call():
-        time.sleep(0.1)
+        time.sleep(0.3)
 
 
     async def test_blocks():
@@ -106,10 +109,77 @@ async def test_the_fixture_fails_a_test_that_blocks_its_loop(tmp_path: Path) -> 
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
-    async with asyncio.timeout(30):
+    async with asyncio.timeout(scaled(30)):
         out, _ = await process.communicate()
     text = out.decode()
     assert process.returncode == 1, text
     assert "1 failed, 1 passed" in text, text
     assert "FAILED test_blocking.py::test_blocks" in text, text
-    assert "event loop blocked for" in text and "time.sleep(0.1)" in text, text
+    assert "event loop blocked for" in text and "time.sleep(0.3)" in text, text
+
+
+# A loop that only waits, then one held by `time.sleep(0.2)`, in a process pinned to one CPU
+# beside two CPU hogs and niced below them: its threads wait for the CPU for tens of ms, again
+# and again. The threshold is 20 ms so that those waits, were they counted, would show.
+STARVED = textwrap.dedent(
+    """
+    import asyncio, json, os, sys, time
+    from tests.faults.stall import StallDetector
+
+    async def ticking():
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+
+    async def waiting():
+        async with StallDetector(threshold_s=0.02) as detector:
+            await asyncio.gather(*(ticking() for _ in range(20)))
+        return detector.stalls
+
+    def hold():
+        time.sleep(0.2)
+
+    async def held():
+        async with StallDetector(threshold_s=0.02) as detector:
+            await asyncio.sleep(0.05)
+            hold()
+            await asyncio.sleep(0.05)
+        return detector.stalls
+
+    os.sched_setaffinity(0, {int(sys.argv[1])})
+    os.nice(15)
+    idle, busy = asyncio.run(waiting()), asyncio.run(held())
+    held = [[stall.blocked_s, stall.stack] for stall in busy]
+    print(json.dumps({"idle": [str(stall) for stall in idle], "held": held}))
+    sys.stdout.flush()
+    os._exit(0)  # an interpreter's teardown takes seconds at this priority
+    """
+)
+HOG = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\n" + (
+    "end = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"
+)
+
+
+async def test_a_descheduled_loop_is_late_but_not_blocked(tmp_path: Path) -> None:
+    """Starved of CPU by two hogs on its CPU, an idle loop is never reported blocked (however
+    late the OS runs it: the wait in the run queue is not the loop's), while a loop held by
+    `time.sleep(0.2)` still is, for the whole 200 ms, with its stack."""
+    cpu = str(min(os.sched_getaffinity(0)))
+    (script := tmp_path / "starved.py").write_text(STARVED)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    hogs = [await asyncio.create_subprocess_exec(sys.executable, "-c", HOG, cpu) for _ in range(2)]
+    try:
+        child = await asyncio.create_subprocess_exec(
+            *(sys.executable, str(script), cpu), env=env, stdout=asyncio.subprocess.PIPE
+        )
+        async with asyncio.timeout(scaled(50)):
+            out, _ = await child.communicate()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            await hog.wait()
+    assert child.returncode == 0
+    found = json.loads(out)
+    assert found["idle"] == []
+    ((blocked_s, stack),) = found["held"]
+    assert 0.18 < blocked_s < 1.0
+    assert "in hold" in stack and "time.sleep(0.2)" in stack

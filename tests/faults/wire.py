@@ -23,6 +23,8 @@ from typing import Final, Self
 
 import orjson
 
+from tests.timing import scaled
+
 __all__ = [
     "DONE",
     "Exchange",
@@ -77,7 +79,7 @@ class _Watchers:
         entry = (predicate, asyncio.get_running_loop().create_future())
         self._waiters.append(entry)
         try:
-            async with asyncio.timeout(within_s):
+            async with asyncio.timeout(scaled(within_s)):
                 await entry[1]
         finally:
             self._waiters.remove(entry)
