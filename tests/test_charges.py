@@ -18,6 +18,7 @@ import pytest
 
 from gateway.auth import new_key
 from tests.conftest import Upstream, gateway_settings, run_gateway
+from tests.timing import scaled
 
 KEY, KEY_HASH = new_key()
 TURN_TOKENS: Final = 8_000  # what the stored turn wrote: the conversation the next turns carry
@@ -38,7 +39,7 @@ def bearer() -> dict[str, str]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=scaled(30)) as client:
         yield client
 
 

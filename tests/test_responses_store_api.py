@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 
 from gateway.responses_store import KEY_PREFIX
 from tests.conftest import RedisServer, free_port, gateway_settings, run_gateway
+from tests.timing import scaled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,7 +139,7 @@ async def test_a_replacement_key_with_the_same_name_cannot_read_the_old_keys_res
         Redis.from_url(redis_server.url) as raw,
     ):
         rid = (await create(a)).json()["id"]
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while not await raw.exists(KEY_PREFIX + rid):  # the write is off the request path
             assert time.monotonic() < deadline, "the response was never written"
             await asyncio.sleep(0.02)
@@ -169,7 +170,7 @@ async def test_readyz_admin_and_metrics_show_a_degraded_store() -> None:
         httpx.AsyncClient(base_url=gw.url) as http,
     ):
         await create(http)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while (await _store_state(http))["state"] != "degraded":  # the writer's first try
             assert time.monotonic() < deadline, "the failed write never showed"
             await asyncio.sleep(0.05)

@@ -30,6 +30,7 @@ from gateway.telemetry import exposition
 from gateway.telemetry.prometheus import ResponsesStoreCollector
 from tests.conftest import RedisServer, free_port
 from tests.test_responses_store import (  # noqa: F401 (black_hole: a fixture)
+from tests.timing import scaled
     NOW,
     Clock,
     black_hole,
@@ -55,7 +56,7 @@ def dead_url() -> str:
 async def until_readable(store: ResponseStore, rid: str, owner: str = "team-a") -> StoredResponse:
     """Poll another replica's store (Redis's state) until it reads `rid`; a "not found" on the
     way fails at once (it may only say "unavailable, try again")."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while True:
         try:
             found = await store.get(rid, owner)
@@ -256,7 +257,7 @@ async def test_warm_is_bounded_on_a_silent_redis(black_hole: str) -> None:  # no
     try:
         started = time.monotonic()
         assert await store.warm(timeout_s=0.3) is False
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - started < scaled(5.0)
         assert store.health()["state"] == "ok"  # a slow start-up does not open the breaker
     finally:
         await store.aclose()

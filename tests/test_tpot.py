@@ -29,6 +29,7 @@ from gateway.providers.decode import OpenAIStreamDecoder
 from gateway.scrubbing import Scrubber
 from tests.conftest import Gateway, gateway_settings, run_gateway, serve
 from tests.fakes.asgi import lifespan, read_body
+from tests.timing import scaled
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -338,7 +339,7 @@ async def test_admin_latency_shows_per_token_tpot_and_output_length(setup: Setup
     the text, for a stream with several tokens per event and no usage."""
     sample = await stream(setup, "chat", "openai")
     assert sample.tpot_s is not None
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + scaled(10.0)
     while True:  # the snapshot is refreshed by a periodic task
         body = (await setup.http.get("/admin/latency")).json()
         shown = body["deployments"].get("chat/m")

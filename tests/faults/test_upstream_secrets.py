@@ -24,6 +24,7 @@ from tests.conftest import gateway_settings, serve
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.faults.conftest import http_client
 from tests.faults.wire import DONE, Exchange, RawUpstream, sse_finish, sse_token
+from tests.timing import scaled
 
 KEYS: Final = {  # provider → its api key; none has a shape the generic patterns know
     "oa": "plainTOKEN12345",  # OpenAI-compatible, Responses served natively
@@ -366,7 +367,7 @@ async def test_no_upstream_credential_reaches_client_log_span_or_store(
     async with (
         RawUpstream(echoing) as upstream,
         serve(receiver) as collector,
-        http_client(timeout=10) as client,
+        http_client(timeout=scaled(10)) as client,
     ):
         environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
         app = create_app(settings(upstream), recorder=MemoryRecorder(), environ=environ)
