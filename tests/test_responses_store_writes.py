@@ -30,7 +30,6 @@ from gateway.telemetry import exposition
 from gateway.telemetry.prometheus import ResponsesStoreCollector
 from tests.conftest import RedisServer, free_port
 from tests.test_responses_store import (  # noqa: F401 (black_hole: a fixture)
-from tests.timing import scaled
     NOW,
     Clock,
     black_hole,
@@ -38,6 +37,7 @@ from tests.timing import scaled
     redis_store,
     response,
 )
+from tests.timing import scaled
 
 
 @pytest.fixture
