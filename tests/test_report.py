@@ -159,9 +159,10 @@ async def test_report_command_writes_the_latency_report_from_a_live_gateway(
     chat = report["models"]["chat"]
     short, long = chat["latency"]["short"], chat["latency"]["long"]
     assert (short["requests"], long["requests"]) == (n, n)
-    assert short["ttft_ms"]["p99"] < 60  # ~2 ms of prefill
-    assert long["ttft_ms"]["p50"] > 80  # ~100 ms more for ~5,000 prompt tokens
-    assert long["ttft_ms"]["p50"] > short["ttft_ms"]["p99"]
+    # ~2 ms of prefill against ~100 ms more for ~5,000 prompt tokens: lower bounds and medians,
+    # which a busy machine (slower everywhere, with the odd stall) does not upset.
+    assert long["ttft_ms"]["p50"] > 80
+    assert long["ttft_ms"]["p50"] > short["ttft_ms"]["p50"] + 50
     assert long["total_ms"]["p50"] > short["total_ms"]["p50"]
     assert chat["latency"]["all"]["ttft_ms"]["p99"] == latency["models"]["chat"]["ttft_ms"]["p99"]
     stages = {row["stage"]: row for row in chat["stages"]}

@@ -250,7 +250,7 @@ async def test_connections_are_dealt_out_evenly(shared: tuple[Gateway, Path]) ->
             ports = set()
             for _ in range(per_connection):
                 response = await chat(client, gateway.url, "a")
-                assert response.status_code == 200
+                assert response.status_code == 200, response.text
                 ports.add(client_port(response))
             (port,) = ports  # kept alive: one connection throughout
             return port
