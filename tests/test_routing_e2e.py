@@ -17,11 +17,13 @@ import httpx
 import orjson
 import pytest
 
+from gateway import semconv as sc
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.test_latency_e2e import count, poll_latency, tailguard
+from tests.test_metrics import scrape_when
 from tests.timing import scaled
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
@@ -347,10 +349,14 @@ async def test_no_failover_after_commit(
 async def test_total_budget_cuts_a_committed_stream_with_an_error_event(
     primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
 ) -> None:
-    """A stream still running when the total budget ends is cut with an error event; no chunk
-    claims it finished."""
+    """With `on_total_miss: cut`, a stream still running when the total budget ends is cut with
+    an error event; no chunk claims it finished."""
     settings = routed(
-        primary, fallback, "long@tokens_per_s=20,output_tokens=100", budget={"total_ms": 400}
+        primary,
+        fallback,
+        "long@tokens_per_s=20,output_tokens=100",
+        budget={"total_ms": 400},
+        on_total_miss="cut",
     )
     async with run_gateway(settings) as gw:
         resp, lines, _ = await stream(client, gw.url)
@@ -361,6 +367,28 @@ async def test_total_budget_cuts_a_committed_stream_with_an_error_event(
     assert orjson.loads(lines[-1][6:])["error"]["code"] == "upstream_timeout"
     finishes = [c["choices"][0].get("finish_reason") for c in events(lines) if c.get("choices")]
     assert not any(finishes)
+
+
+async def test_a_committed_stream_past_the_total_budget_is_finished_and_counted_a_miss(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """By default (`on_total_miss: finish`) a stream still running when the total budget ends is
+    delivered whole, as a plain proxy would deliver it, and counted as a missed total budget.
+    (Before, it was cut into an error: the answer was lost for being a little late.)"""
+    settings = routed(
+        primary, fallback, "long@tokens_per_s=20,output_tokens=20", budget={"total_ms": 400}
+    )
+    judged = sc.SLO_REQUESTS + "_total"
+    async with run_gateway(settings) as gw:
+        resp, lines, _ = await stream(client, gw.url)
+        found = await scrape_when(client, gw.url, lambda s: s.value(judged) >= 1)
+    assert resp.status_code == 200
+    assert lines[-1] == "data: [DONE]"
+    finishes = [c["choices"][0].get("finish_reason") for c in events(lines) if c.get("choices")]
+    assert finishes[-1] == "stop"
+    assert primary.stats.cancelled == 0
+    assert found.value(judged, model="m", slo="total", result="missed") == 1
+    assert found.value(judged, slo="total", result="met") == 0
 
 
 # --- the plan ------------------------------------------------------------------------------------

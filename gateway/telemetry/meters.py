@@ -113,6 +113,14 @@ class Meters:
             ["model", "reason"],
             registry=registry,
         )
+        self.fallback_served = Counter(
+            sc.FALLBACK_SERVED,
+            "Requests served by a fallback model instead of the model asked for, by the "
+            "fallback model and the route that reached it: budget or budget_unattainable "
+            "(for latency), hedge or ttft_failover (a rescue), error_fallback (after errors).",
+            ["model", "fallback", "route"],
+            registry=registry,
+        )
         self.client_duration = Histogram(
             sc.CLIENT_OPERATION_DURATION,
             "GenAI operation duration per upstream attempt that completed or failed.",
@@ -282,6 +290,10 @@ class Meters:
             self._child(self.overhead, model).observe(overhead_s)
         if route not in ("", "primary", "hedge"):
             self._child(self.fallbacks, model, route).inc()
+
+    def served_by_fallback(self, model: str, fallback: str, route: str) -> None:
+        """One request of `model` served by the fallback model `fallback`, reached by `route`."""
+        self._child(self.fallback_served, model, fallback, route).inc()
 
     def judged(self, model: str, deployment: str, verdicts: Mapping[str, bool]) -> None:
         """One client request's verdicts: {"ttft" | "total" | "tpot": met}, for each budget it
