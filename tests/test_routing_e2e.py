@@ -421,6 +421,58 @@ async def test_plan_routes_around_a_deployment_slower_than_the_budget(
     assert primary.stats.requests == 3
 
 
+async def test_what_a_fallback_model_serves_is_counted_by_route(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A request routed to the fallback model for latency is counted in
+    `tailguard_fallback_served` by the model asked for, the fallback and the route."""
+    settings = routed(
+        primary,
+        fallback,
+        SLOW.removeprefix("p/"),
+        prior_ms=None,
+        budget={"ttft_ms": 200},
+        on_ttft_miss="none",
+        latency={"min_samples": 3},
+    )
+    served = sc.FALLBACK_SERVED + "_total"
+    async with run_gateway(settings) as gw:
+        for _ in range(3):
+            await stream(client, gw.url)
+        await poll_latency(client, gw.url, count("deployments", SLOW, n=3))
+        resp, _, _ = await stream(client, gw.url)
+        found = await scrape_when(client, gw.url, lambda s: s.value(served) >= 1)
+    assert resp.headers["x-tailguard-route"] == "budget"
+    assert found.value(served, model="m", fallback="b", route="budget") == 1
+    assert found.value(served) == 1
+
+
+async def test_max_fallback_share_keeps_the_requested_model_leading(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """With `max_fallback_share: 0`, a requested model the window says misses the budget still
+    serves its requests while it is available (route budget_unattainable): no share of its
+    traffic is moved to the fallback model for latency."""
+    settings = routed(
+        primary,
+        fallback,
+        SLOW.removeprefix("p/"),
+        prior_ms=None,
+        budget={"ttft_ms": 200},
+        on_ttft_miss="none",
+        max_fallback_share=0,
+        latency={"min_samples": 3},
+    )
+    async with run_gateway(settings) as gw:
+        for _ in range(3):
+            await stream(client, gw.url)
+        await poll_latency(client, gw.url, count("deployments", SLOW, n=3))
+        resp, _, _ = await stream(client, gw.url)
+    assert resp.headers["x-tailguard-route"] == "budget_unattainable"
+    assert resp.headers["x-tailguard-deployment"] == SLOW
+    assert fallback.stats.requests == 0
+
+
 async def test_anthropic_ingress_uses_the_same_attempt_loop(
     primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
 ) -> None:
