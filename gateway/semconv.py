@@ -93,6 +93,7 @@ OVERHEAD_BUCKETS: Final = (
 REQUESTS: Final = "tailguard_requests"  # counter: model, deployment, route, status
 ATTEMPTS: Final = "tailguard_attempts"  # counter: deployment, outcome
 FALLBACKS: Final = "tailguard_fallbacks"  # counter: model, reason
+FALLBACK_SERVED: Final = "tailguard_fallback_served"  # counter: model, fallback, route
 HEDGES: Final = "tailguard_hedges"  # counter: model, result (started, won, denied)
 COOLDOWNS: Final = "tailguard_cooldowns"  # counter: deployment (times its breaker opened)
 RETRY_BUDGET_EXHAUSTED: Final = "tailguard_retry_budget_exhausted"

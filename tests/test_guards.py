@@ -12,12 +12,14 @@ from gateway.latency import TTFT_DEADLINE, MetricStats, Snapshot, TargetStats
 from gateway.routing.guards import (
     EXPLORED_FRESH_S,
     EXPLORED_KEPT,
+    FALLBACK_WINDOW,
     FREE,
     HEDGE_FLOOR_REQUESTS,
     PROBE,
     PROBE_WAIT_S,
     Cooldowns,
     Explorer,
+    FallbackShare,
     HedgeBudget,
     RetryBudget,
 )
@@ -361,3 +363,36 @@ def test_explorations_count_once_the_latest_all_answered_recently() -> None:
         explorer.observed(D, 0.2)
     clock.now += EXPLORED_FRESH_S + 1
     assert D not in explorer.latest()  # stale
+
+
+# --- the share moved to fallback models ----------------------------------------------------------
+
+
+def test_the_fallback_share_bounds_requests_moved_for_latency() -> None:
+    """`max_fallback_share` 0.1: a fresh gateway may move 2 requests (counted as if 20 were
+    seen), then one more for each ten requests served by the model itself; 0 moves none."""
+    shares = FallbackShare()
+    assert not shares.allows("m", 0.0)
+    for _ in range(2):
+        assert shares.allows("m", 0.1)
+        shares.count("m", moved=True)
+    assert not shares.allows("m", 0.1)
+    for _ in range(8):
+        shares.count("m", moved=False)
+    assert not shares.allows("m", 0.1)  # 3 of 11 (counted as 20) is over 10%
+    for _ in range(20):
+        shares.count("m", moved=False)
+    assert shares.allows("m", 0.1)  # 3 of 31
+    assert shares.allows("other", 0.1)  # counted per model
+    assert shares.share("m") == pytest.approx(2 / 30)
+
+
+def test_the_fallback_share_follows_the_latest_requests() -> None:
+    """Both counts halve once the window is full: a burst of moves long ago fades."""
+    shares = FallbackShare()
+    for _ in range(FALLBACK_WINDOW // 2):
+        shares.count("m", moved=True)
+    for _ in range(FALLBACK_WINDOW * 4):
+        shares.count("m", moved=False)
+    share = shares.share("m")
+    assert share is not None and share < 0.01

@@ -513,6 +513,7 @@ async def test_a_stream_cut_by_the_total_budget_teaches_the_router(
                     {"provider": "up", "model": "slow@tokens_per_s=25,output_tokens=400"}
                 ],
                 "budget": {"total_ms": 1000},
+                "on_total_miss": "cut",
                 "fallbacks": ["fast"],
             },
             {

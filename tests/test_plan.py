@@ -8,7 +8,14 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from gateway.config import DeploymentSpec, ModelSpec, PriorSpec, ProviderSpec, build_settings
+from gateway.config import (
+    DeploymentSpec,
+    ModelSpec,
+    OnTTFTMiss,
+    PriorSpec,
+    ProviderSpec,
+    build_settings,
+)
 from gateway.errors import CoolingDownError, InvalidRequestError
 from gateway.latency import BandStats, MetricStats, Snapshot, TargetStats
 from gateway.models import Call, Endpoint, UpstreamRequest, Wire
@@ -27,6 +34,7 @@ from gateway.routing.plan import (
     lands_first,
     plan,
     rescue_point,
+    rescuer,
     ttft_for_size,
     weighted_order,
     with_exploration,
@@ -144,10 +152,114 @@ def test_a_later_candidate_that_fits_leads_and_the_rest_keep_their_order() -> No
 
 
 def test_a_budget_lead_with_no_fitting_successor_gets_no_ttft_deadline() -> None:
-    """When no other candidate fits either, a late first token on the lead is waited for."""
+    """When no other candidate fits either, nor could land in time as a rescue (no rescue
+    here: `on_ttft_miss: none`), a late first token on the lead is waited for."""
     chosen = plan([cand("a", SLOW), cand("c", FAST)], call(), STRICT)
     assert ids(chosen.candidates) == ["c", "a"]
     assert not chosen.ttft_rescue
+
+
+@pytest.mark.parametrize(
+    "lead",
+    [
+        metric(900.0, p95=700.0, p90=300.0),  # fits by its p99, with a tail that can stall
+        metric(8000.0, p95=5000.0, p90=200.0),  # fits only if its 8% stalls are rescued
+    ],
+)
+def test_a_budget_lead_keeps_a_rescue_when_no_other_candidate_fits(lead: MetricStats) -> None:
+    """Every request routed by budget keeps a rescue when its lead can stall: a candidate that
+    would not meet the budget alone (its own stalls put its p99 over) still lands a hedge in
+    its typical 0.25 s, so it follows the lead and the lead keeps its TTFT deadline. (Before,
+    no other candidate fitting meant no deadline: the lead's stalls were waited out.)"""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10)
+    slow = cand("a", SLOW)  # 3 s flat: neither fits nor lands in time
+    rescuing = cand("c", metric(1500.0, p95=1200.0, p90=250.0))
+    assert fits(rescuing, None, budget, call()) is False
+    chosen = plan([slow, cand("b", lead), rescuing], call(), budget)
+    assert ids(chosen.candidates) == ["b", "c", "a"]
+    assert chosen.route == "budget"
+    assert chosen.ttft_rescue
+
+
+# --- the rescuer, and the model the client asked for ---------------------------------------------
+
+
+def fallback(name: str, ttft: MetricStats) -> Candidate:
+    """A deployment `p/<name>` of the fallback model `small`."""
+    return replace(cand(name, ttft), model="small")
+
+
+# The production trace's three: a primary whose 8% first tokens stall for seconds, a slow second
+# provider of the same model, and a fast smaller fallback model.
+PRIMARY = metric(8000.0, p95=5000.0, p90=200.0)  # 8% stall: p90 0.2 s, p99 8 s
+SECOND = metric(1500.0, p95=1200.0, p90=850.0)
+
+
+@pytest.mark.parametrize("on_ttft_miss", ["hedge", "failover"])
+def test_the_rescuer_is_the_fastest_candidate_not_the_next_in_order(
+    on_ttft_miss: OnTTFTMiss,
+) -> None:
+    """The primary is rescued by whoever lands soonest, a fallback model included: timed by the
+    fast fallback (p90 0.3 s: a hedge at 0.67 s) its p90 of 0.2 s is rescued and it keeps
+    the request, with the fallback next to rescue it. (Before, its rescuer was the next
+    deployment in weight order, the slow second provider: a hedge point of 0.065 s fell before
+    the primary's own p90, so it "did not fit" and the fallback model served every request.)"""
+    budget = Budget(ttft_s=1.0, on_ttft_miss=on_ttft_miss, rescue_share=0.10, model="m")
+    primary, second, small = cand("large", PRIMARY), cand("second", SECOND), fallback("s", FAST)
+    chosen = plan([primary, second, small], call(), budget)
+    assert ids(chosen.candidates) == ["large", "s", "second"]
+    assert chosen.route == "primary"
+    assert chosen.ttft_rescue
+    assert rescuer(primary, [second, small], budget, call()) is small
+
+
+def test_a_deployment_of_the_requested_model_that_can_be_saved_leads_before_a_fallback() -> None:
+    """The requested model's first deployment cannot meet the budget (3 s flat); its second
+    stalls 8% of the time but, rescued by the fallback, fits: it leads, not the fallback. (Before,
+    the second was judged with the slow first as its rescuer, and the fallback model led.)"""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10, model="m")
+    found = [cand("a", SLOW), cand("b", PRIMARY), fallback("s", FAST)]
+    chosen = plan(found, call(), budget)
+    assert ids(chosen.candidates) == ["b", "s", "a"]
+    assert chosen.route == "budget"
+    assert chosen.ttft_rescue
+
+
+def test_a_fallback_model_leads_only_when_no_deployment_of_the_requested_model_can_be_saved() -> (
+    None
+):
+    """A primary whose p90 (0.9 s) is past even the fastest rescuer's hedge point (0.67 s) cannot
+    be saved, nor can its 3 s sibling: then, and only then, the fallback model leads."""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10, model="m")
+    late = metric(8000.0, p95=5000.0, p90=900.0)
+    chosen = plan([cand("a", late), cand("b", SLOW), fallback("s", FAST)], call(), budget)
+    assert ids(chosen.candidates)[0] == "s"
+    assert chosen.route == "budget"
+
+
+def test_an_unmeasured_candidate_rescues_only_when_nothing_measured_can_land() -> None:
+    """A measured candidate that lands is preferred as the rescuer to an unmeasured one (which
+    could only be explored); without one, the first of the others stays the rescuer."""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10)
+    primary, unknown = cand("a", PRIMARY), cand("u")
+    assert rescuer(primary, [unknown, cand("f", FAST)], budget, call()) == cand("f", FAST)
+    assert rescuer(primary, [unknown, cand("slow", SLOW)], budget, call()) is unknown
+    assert rescuer(primary, [], budget, call()) is None
+
+
+def test_with_the_fallback_share_spent_the_requested_model_leads() -> None:
+    """`fallback_lead=False` (the model's `max_fallback_share` is spent): a requested model
+    that cannot meet the budget still leads, as budget_unattainable, the fallback next to rescue
+    it; with every deployment of the requested model cooling down, the fallback still serves."""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10, model="m")
+    found = [cand("a", SLOWER), fallback("s", FAST)]
+    assert ids(plan(found, call(), budget).candidates) == ["s", "a"]
+    capped = plan(found, call(), budget, fallback_lead=False)
+    assert ids(capped.candidates) == ["a", "s"]
+    assert capped.route == "budget_unattainable"
+    cooling = plan(found, call(), budget, cooling={"p/a": 3.0}, fallback_lead=False)
+    assert ids(cooling.candidates) == ["s"]
+    assert cooling.route == "error_fallback"
 
 
 # --- the rescue rule ---------------------------------------------------------------------------
@@ -275,6 +387,16 @@ def test_predicted_total_uses_max_tokens_else_the_mean_output_length() -> None:
     c = cand("a", metric(500.0), tpot=metric(20.0), output_tokens=50.0)
     assert c.predicted_total_s(100) == pytest.approx(0.5 + 0.02 * 99)
     assert c.predicted_total_s(None) == pytest.approx(0.5 + 0.02 * 49)
+
+
+def test_a_predicted_total_is_admitted_only_with_headroom() -> None:
+    """The total budget steers routing with a margin: a predicted total of 2.48 s does not fit
+    a 2.6 s budget (it needs 10% spare: at most 2.34 s), and fits a 2.8 s one (2.52 s). (Before,
+    a prediction just under the budget fitted, and long answers ran past it.)"""
+    c = cand("a", metric(500.0), tpot=metric(20.0))
+    assert c.predicted_total_s(100) == pytest.approx(2.48)
+    assert fits(c, None, Budget(total_s=2.6), call(max_tokens=100)) is False
+    assert fits(c, None, Budget(total_s=2.8), call(max_tokens=100)) is True
 
 
 def test_a_candidate_over_the_total_budget_does_not_fit() -> None:

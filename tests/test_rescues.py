@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 import pytest
 
 from gateway.config import CooldownSpec, DeploymentSpec, OnTTFTMiss, PriorSpec, RetryBudgetSpec
 from gateway.errors import AllCandidatesFailedError, ProviderError
-from gateway.latency import MemoryLatencyStore
+from gateway.latency import MemoryLatencyStore, MetricStats, TargetStats
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import StreamLimits, UpstreamStream
-from gateway.routing import Budget, Candidate, Guards, Ledger, Opened, Plan, open_first
+from gateway.routing import Budget, Candidate, Guards, Ledger, Opened, Plan, open_first, plan
 from gateway.routing.attempts import background_done
 from gateway.scrubbing import Scrubber
 from gateway.validate import parse_call
@@ -181,3 +181,34 @@ async def test_an_explored_deployment_is_raced_and_timed_even_when_it_loses() ->
     assert (away.ttft.count, away.ttft.censored, away.errors) == (1, 0, 0)
     assert away.ttft.p50 == pytest.approx(150, rel=0.5)
     assert shared.hedges.held() == 0 and store.inflight("away/m") == 0
+
+
+def _measured(found: Candidate, p99: float, p95: float, p90: float) -> Candidate:
+    """`found` with a trusted window of first tokens (ms)."""
+    ttft = MetricStats(p90 / 2, p90, p95, p99, 100, True)
+    no_data = MetricStats(None, None, None, None, 0, False)
+    return replace(found, stats=TargetStats(ttft, no_data, no_data, 100, 0, 0))
+
+
+async def test_a_stalling_primary_keeps_its_request_and_is_hedged_by_the_fastest() -> None:
+    """The plan and the race together: a primary whose 8% of first tokens stall, a slow second
+    provider of the same model and a fast smaller fallback model. The primary leads (not the
+    fallback), and when it stalls the rescue goes to the fastest candidate, the fallback, at
+    its hedge point: the slow second provider is never tried."""
+    large, second, small = Upstream("large", ttft_s=60), Upstream("second", 60), Upstream("small")
+    found = [
+        _measured(candidate(large), 8000.0, 5000.0, 200.0),
+        _measured(candidate(second), 1500.0, 1200.0, 850.0),
+        replace(_measured(candidate(small), 300.0, 300.0, 300.0), model="small"),
+    ]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    call = parse_call("chat", orjson.dumps(body))
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10, model="m")
+    chosen = plan(found, call, budget)
+    assert [c.id for c in chosen.candidates] == ["large/m", "small/m", "second/m"]
+    assert chosen.route == "primary"
+    shared, store = guards(), MemoryLatencyStore()
+    opened, ledger = await race(chosen, shared, store, ttft_s=1.0, on_miss="hedge", cap=0.10)
+    await ledger.aclose()
+    assert (opened.candidate.id, opened.route) == ("small/m", "hedge")
+    assert (large.opened, second.opened, small.opened) == (1, 0, 1)

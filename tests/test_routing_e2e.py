@@ -17,11 +17,13 @@ import httpx
 import orjson
 import pytest
 
+from gateway import semconv as sc
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.test_latency_e2e import count, poll_latency, tailguard
+from tests.test_metrics import scrape_when
 from tests.timing import scaled
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
@@ -347,10 +349,14 @@ async def test_no_failover_after_commit(
 async def test_total_budget_cuts_a_committed_stream_with_an_error_event(
     primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
 ) -> None:
-    """A stream still running when the total budget ends is cut with an error event; no chunk
-    claims it finished."""
+    """With `on_total_miss: cut`, a stream still running when the total budget ends is cut with
+    an error event; no chunk claims it finished."""
     settings = routed(
-        primary, fallback, "long@tokens_per_s=20,output_tokens=100", budget={"total_ms": 400}
+        primary,
+        fallback,
+        "long@tokens_per_s=20,output_tokens=100",
+        budget={"total_ms": 400},
+        on_total_miss="cut",
     )
     async with run_gateway(settings) as gw:
         resp, lines, _ = await stream(client, gw.url)
@@ -361,6 +367,28 @@ async def test_total_budget_cuts_a_committed_stream_with_an_error_event(
     assert orjson.loads(lines[-1][6:])["error"]["code"] == "upstream_timeout"
     finishes = [c["choices"][0].get("finish_reason") for c in events(lines) if c.get("choices")]
     assert not any(finishes)
+
+
+async def test_a_committed_stream_past_the_total_budget_is_finished_and_counted_a_miss(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """By default (`on_total_miss: finish`) a stream still running when the total budget ends is
+    delivered whole, as a plain proxy would deliver it, and counted as a missed total budget.
+    (Before, it was cut into an error: the answer was lost for being a little late.)"""
+    settings = routed(
+        primary, fallback, "long@tokens_per_s=20,output_tokens=20", budget={"total_ms": 400}
+    )
+    judged = sc.SLO_REQUESTS + "_total"
+    async with run_gateway(settings) as gw:
+        resp, lines, _ = await stream(client, gw.url)
+        found = await scrape_when(client, gw.url, lambda s: s.value(judged) >= 1)
+    assert resp.status_code == 200
+    assert lines[-1] == "data: [DONE]"
+    finishes = [c["choices"][0].get("finish_reason") for c in events(lines) if c.get("choices")]
+    assert finishes[-1] == "stop"
+    assert primary.stats.cancelled == 0
+    assert found.value(judged, model="m", slo="total", result="missed") == 1
+    assert found.value(judged, slo="total", result="met") == 0
 
 
 # --- the plan ------------------------------------------------------------------------------------
@@ -391,6 +419,58 @@ async def test_plan_routes_around_a_deployment_slower_than_the_budget(
     assert resp.headers["x-tailguard-deployment"] == "f/ok"
     assert resp.headers["x-tailguard-attempts"] == "1"
     assert primary.stats.requests == 3
+
+
+async def test_what_a_fallback_model_serves_is_counted_by_route(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """A request routed to the fallback model for latency is counted in
+    `tailguard_fallback_served` by the model asked for, the fallback and the route."""
+    settings = routed(
+        primary,
+        fallback,
+        SLOW.removeprefix("p/"),
+        prior_ms=None,
+        budget={"ttft_ms": 200},
+        on_ttft_miss="none",
+        latency={"min_samples": 3},
+    )
+    served = sc.FALLBACK_SERVED + "_total"
+    async with run_gateway(settings) as gw:
+        for _ in range(3):
+            await stream(client, gw.url)
+        await poll_latency(client, gw.url, count("deployments", SLOW, n=3))
+        resp, _, _ = await stream(client, gw.url)
+        found = await scrape_when(client, gw.url, lambda s: s.value(served) >= 1)
+    assert resp.headers["x-tailguard-route"] == "budget"
+    assert found.value(served, model="m", fallback="b", route="budget") == 1
+    assert found.value(served) == 1
+
+
+async def test_max_fallback_share_keeps_the_requested_model_leading(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """With `max_fallback_share: 0`, a requested model the window says misses the budget still
+    serves its requests while it is available (route budget_unattainable): no share of its
+    traffic is moved to the fallback model for latency."""
+    settings = routed(
+        primary,
+        fallback,
+        SLOW.removeprefix("p/"),
+        prior_ms=None,
+        budget={"ttft_ms": 200},
+        on_ttft_miss="none",
+        max_fallback_share=0,
+        latency={"min_samples": 3},
+    )
+    async with run_gateway(settings) as gw:
+        for _ in range(3):
+            await stream(client, gw.url)
+        await poll_latency(client, gw.url, count("deployments", SLOW, n=3))
+        resp, _, _ = await stream(client, gw.url)
+    assert resp.headers["x-tailguard-route"] == "budget_unattainable"
+    assert resp.headers["x-tailguard-deployment"] == SLOW
+    assert fallback.stats.requests == 0
 
 
 async def test_anthropic_ingress_uses_the_same_attempt_loop(

@@ -170,6 +170,8 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
     )
     if opened is not None:
         services.meters.prompt_tokens.count(model, deployment, opened.tally.usage)
+        if opened.candidate.model != model and outcome.status < 400:
+            services.meters.fallback_served.count(model, opened.candidate.model, route)
         # The stages of `server-timing`, for `tailguard report`.
         services.meters.stages(
             model,

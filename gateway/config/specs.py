@@ -20,6 +20,7 @@ LOG_LEVEL_ENV = "TAILGUARD_LOG_LEVEL"  # how `serve --workers N` passes --log-le
 ProviderType = Literal["openai", "vllm", "anthropic", "simulated"]
 Priority = Literal["interactive", "bulk"]
 OnTTFTMiss = Literal["failover", "hedge", "none"]
+OnTotalMiss = Literal["finish", "cut"]
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 
@@ -270,6 +271,15 @@ class ModelSpec(_Spec):
     hedge_max_fraction: Annotated[float, Field(ge=0, le=1)] = 0.05
     """Cap on latency rescues (hedges and deadline failovers together), as a share of the
     model's client requests over the window; over it, a slow attempt is waited for."""
+    on_total_miss: OnTotalMiss = "finish"
+    """What a committed stream still running when the total budget ends does: `finish` (it is
+    delivered whole and counted as a miss, as a plain proxy would deliver it) or `cut` (it
+    ends with an error event). Before the first token, the total budget always bounds the wait."""
+    max_fallback_share: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Cap on the share of the model's requests routed to its fallback models for latency
+    while one of its own deployments is available (not cooling down), counted in-process over
+    its latest requests; over it, its own fastest deployment leads (fallbacks still rescue).
+    Unset: no cap. Failovers after errors are not counted."""
     priority: Priority = "interactive"
     """`interactive` or `bulk` (the `x-tailguard-priority` header wins)."""
     batching: BatchingSpec | None = None

@@ -3,9 +3,11 @@
 Both budgets count from the request's arrival. The TTFT budget sets when the race rescues an
 attempt that has no first token yet (`rescue_at`): a hedge started beside it, or a failover that
 cuts it, timed so that the successor can still land inside the budget. The total budget bounds
-everything before the commit (`before_commit`) and every upstream read after it
-(`stream_deadline`; the relay applies it inline, since a call per read would cost a coroutine per
-event). The stream idle timeout is the provider's, not the request's: see `idle` and `attempts`.
+everything before the commit (`before_commit`); after it, a stream that overruns is finished and
+counted as a miss (`on_total_miss: finish`, the default: a plain proxy would deliver it), or cut
+at the budget (`cut`: `stream_deadline` bounds every upstream read; the relay applies it inline,
+since a call per read would cost a coroutine per event). The stream idle timeout is the
+provider's, not the request's: see `idle` and `attempts`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def budget_for(
         total_s=total / 1000 if total else None,
         tpot_s=tpot_ms / 1000 if tpot_ms and call.stream else None,
         on_ttft_miss=spec.on_ttft_miss,
+        on_total_miss=spec.on_total_miss,
         rescue_share=spec.hedge_max_fraction,  # hedges and deadline failovers share one cap
         model=spec.name,
         arrived=arrived,
@@ -117,8 +120,9 @@ async def before_commit(budget: Budget, work: Awaitable[T]) -> T:
 
 def stream_deadline(budget: Budget) -> float | None:
     """When the total budget runs out, as event-loop time for `asyncio.timeout_at` around each
-    upstream read after the commit; None without a total budget (no timer on that path)."""
-    if budget.total_s is None:
+    upstream read after the commit; None without a total budget, or when a stream that overruns
+    it is finished (`on_total_miss: finish`): no timer on that path."""
+    if budget.total_s is None or budget.on_total_miss != "cut":
         return None
     left = budget.total_s - (time.perf_counter() - budget.arrived)
     return asyncio.get_running_loop().time() + max(0.0, left)

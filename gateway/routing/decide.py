@@ -97,10 +97,29 @@ def decide(
         # at a time (see `_Race._await_probe`), as a plain proxy would send it.
         cooling = None
     chosen = plan(found, call, budget, cooling=cooling)
+    if spec.max_fallback_share is not None:
+        shares = routes.guards.fallbacks
+        moved = moved_for_latency(chosen, spec.name)
+        if moved and not shares.allows(spec.name, spec.max_fallback_share):
+            # Over the cap: the requested model's own fittest deployment leads.
+            chosen = plan(found, call, budget, cooling=cooling, fallback_lead=False)
+            moved = moved_for_latency(chosen, spec.name)
+        shares.count(spec.name, moved=moved)
     if budget.ttft_s is not None and spec.on_ttft_miss != "none" and budget.may_hedge:
         # A deployment routed away is now and then tried again, raced by the one that serves.
         chosen = with_exploration(chosen, found, routes.guards.explorer.due)
     return Decision(call, steering.settle(chosen), budget, headers)
+
+
+def moved_for_latency(chosen: Plan, model: str) -> bool:
+    """Whether `chosen` leads with a fallback model for latency (routed by budget) while a
+    deployment of the requested `model` was available: what `max_fallback_share` bounds."""
+    lead = chosen.candidates[0]
+    return (
+        chosen.route in ("budget", "budget_unattainable")
+        and lead.model != model
+        and any(c.model == model for c in chosen.candidates)
+    )
 
 
 def predictions(

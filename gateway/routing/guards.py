@@ -309,6 +309,45 @@ class HedgeBudget:
         self.counts[(model, "started")] -= 1
 
 
+FALLBACK_WINDOW = 200
+"""Requests per model over which `max_fallback_share` is counted: both counts are halved when
+the total reaches it, so the share follows the latest few hundred requests."""
+FALLBACK_FLOOR_REQUESTS = 20
+"""The share is computed as if at least this many requests were counted, so a fresh gateway
+may move a few before it has seen traffic (with a 10% cap: two)."""
+
+
+class FallbackShare:
+    """Bounds the share of a model's requests routed to its fallback models for latency while
+    one of its own deployments is available (`max_fallback_share`). Kept in-process, per
+    replica (each replica keeps its own share within the bound): per model, the requests moved
+    and all requests over its latest ones. Counts only what `decide` routes, never awaits."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, list[float]] = {}  # model -> [moved, requests]
+
+    def allows(self, model: str, share: float) -> bool:
+        """Whether one more request of `model` may be moved without passing `share`."""
+        moved, requests = self._counts.get(model, (0.0, 0.0))
+        return moved + 1 <= share * max(requests + 1, FALLBACK_FLOOR_REQUESTS)
+
+    def count(self, model: str, *, moved: bool) -> None:
+        """One request of `model` was routed: to a fallback model for latency, or not."""
+        counts = self._counts.get(model)
+        if counts is None:
+            counts = self._counts[model] = [0.0, 0.0]
+        counts[0] += moved
+        counts[1] += 1
+        if counts[1] >= FALLBACK_WINDOW:
+            counts[0] /= 2
+            counts[1] /= 2
+
+    def share(self, model: str) -> float | None:
+        """The share of `model`'s latest requests moved to a fallback; None before any."""
+        counts = self._counts.get(model)
+        return counts[0] / counts[1] if counts else None
+
+
 EXPLORE_EVERY_S = 0.5
 """A deployment that was routed away is explored at most this often per replica (and within the
 model's cap on extra load)."""
@@ -374,4 +413,5 @@ class Guards:
         self.cooldowns = Cooldowns(cooldown, clock=clock, rng=rng)
         self.retries = RetryBudget(retry_budget)
         self.hedges = HedgeBudget()
+        self.fallbacks = FallbackShare()
         self.explorer = Explorer(clock=clock)

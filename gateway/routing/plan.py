@@ -8,7 +8,12 @@ at the deadline its successor is started (a failover cancels the attempt, a hedg
 deadline leaves the successor room to land inside B: it is B minus the successor's p99 TTFT plus a
 margin (half of B when the successor is unknown). A candidate *fits* when the share of its first
 tokens that would come after its deadline is within what a successor may rescue (the hedge cap, or
-the retry budget), or when its p99 fits B outright.
+the retry budget), or when its p99 fits B outright. The successor that rescues a candidate is the
+fastest other one that can land (see `rescuer`): a deployment of the same model or a fallback.
+
+The model the client asked for is kept unless it cannot be saved: its deployments are judged
+first, each with its rescuer, and a fallback model leads only when none of them fits. A
+predicted total is admitted with headroom (`TOTAL_HEADROOM`).
 """
 
 from __future__ import annotations
@@ -19,15 +24,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from gateway.config import DeploymentSpec, ModelSpec, OnTTFTMiss, Settings
+from gateway.config import DeploymentSpec, ModelSpec, OnTotalMiss, OnTTFTMiss, Settings
 from gateway.errors import CoolingDownError, InvalidRequestError
-from gateway.latency import MetricStats, Snapshot, TargetStats
+from gateway.latency import Snapshot
 from gateway.models import Call
-from gateway.prompt_size import band_of, fit_line
+from gateway.prompt_size import band_of
 from gateway.providers import can_serve
 from gateway.providers.base import Provider
 
-Level = Literal["p50", "p90", "p95", "p99"]
+# What a candidate is, and its TTFT for a prompt's size (re-exported: the planner's vocabulary).
+from gateway.routing.candidate import BAND_EVIDENCE as BAND_EVIDENCE
+from gateway.routing.candidate import Candidate as Candidate
+from gateway.routing.candidate import Level as Level
+from gateway.routing.candidate import baseline_p50_ms as baseline_p50_ms
+from gateway.routing.candidate import ttft_for_size as ttft_for_size
+
 Route = Literal[
     "primary", "budget", "budget_unattainable", "ttft_failover", "hedge", "error_fallback"
 ]
@@ -37,139 +48,12 @@ SUCCESSOR_MARGIN = 1.1
 UNKNOWN_SHARE = 0.5
 """A successor whose TTFT is unknown is explored, as a hedge, once this share of the budget is
 gone."""
-BAND_EVIDENCE = 5
-"""Observations of a prompt-size band that count as evidence it is slower than the rest."""
 HEDGE_LEVEL: Literal["p90"] = "p90"
 """The successor's TTFT quantile a hedge is timed by: a hedge wins on the typical case."""
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One deployment the call may be sent to, the model name it serves under, and what the
-    window says about it (None: no samples yet)."""
-
-    model: str
-    deployment: DeploymentSpec
-    provider: Provider
-    stats: TargetStats | None = None
-    # A vLLM deployment whose load is known: the TTFT predicted from its queue right now, and
-    # the queue it was predicted from (see gateway/routing/predict.py).
-    predicted_ttft_s: float | None = None
-    queue: float | None = None
-    prompt_bytes: int | None = None  # this request's body size: its TTFT is read for that size
-    recent: TargetStats | None = None  # the last few seconds only (see `Snapshot.recent`)
-    explored_s: float | None = None  # the slowest TTFT of its latest explorations, if fresh
-    # A vLLM deployment: the mean time per output token its server measured lately. Ahead of
-    # the nominal prior, which knows nothing of the server's load or speculative decoding.
-    measured_tpot_s: float | None = None
-
-    @property
-    def id(self) -> str:
-        return self.deployment.id
-
-    @property
-    def ttft_p99_s(self) -> float | None:
-        """The TTFT predicted from the server's load, else the trusted observed p99 for this
-        request's prompt size, else the configured prior, else unknown."""
-        return self.ttft_quantile_s("p99")
-
-    def ttft_quantile_s(self, level: Level) -> float | None:
-        """The predicted TTFT, else a trusted observed quantile for this request's prompt size
-        (see `ttft_for_size`), else the prior (which only knows p99)."""
-        if self.predicted_ttft_s is not None:
-            return self.predicted_ttft_s
-        stats = self.stats
-        if stats is not None and self.prompt_bytes is not None and stats.bands:
-            sized = ttft_for_size(stats, self.prompt_bytes, level)
-            if sized is not None:
-                return sized / 1000.0
-        return _trusted(stats.ttft if stats else None, level, self._prior("ttft_ms"))
-
-    def predicted_total_s(
-        self, max_tokens: int | None, *, ttft_at_most_s: float | None = None
-    ) -> float | None:
-        """p99 TTFT + p99 TPOT * expected output tokens (`max_tokens`, or the observed mean
-        length); the observed p99 total when the parts are unknown (a non-streaming deployment).
-        The TPOT is the window's trusted p99, else the server's measured one, else the prior.
-        `ttft_at_most_s`: the first token is known to come by then (its misses are rescued
-        within the TTFT budget), whatever the deployment's own tail."""
-        stats = self.stats
-        ttft = self.ttft_p99_s
-        if ttft is not None and ttft_at_most_s is not None:
-            ttft = min(ttft, ttft_at_most_s)
-        tpot = self.tpot_p99_s
-        tokens = max_tokens or (stats.output_tokens if stats else None)
-        if ttft is not None and tpot is not None and tokens:
-            return ttft + tpot * max(0.0, tokens - 1)
-        return _trusted(stats.total if stats else None, "p99", None)
-
-    @property
-    def tpot_p99_s(self) -> float | None:
-        """The window's trusted p99 time per output token, else the server's measured one (a
-        draft model or a full batch changes it), else the operator's nominal prior."""
-        stats, measured = self.stats, self.measured_tpot_s
-        fallback = measured if measured is not None else self._prior("tpot_ms")
-        return _trusted(stats.tpot if stats else None, "p99", fallback)
-
-    def _prior(self, name: Literal["ttft_ms", "tpot_ms"]) -> float | None:
-        prior = self.deployment.prior
-        value = getattr(prior, name) if prior is not None else None
-        return None if value is None else value / 1000.0
-
-
-def ttft_for_size(stats: TargetStats, prompt_bytes: int, level: Level) -> float | None:
-    """A TTFT quantile (ms) for a prompt of `prompt_bytes`, from the window's prompt-size bands:
-    its own band's when trusted; else read off a line fitted through the trusted bands' values
-    against their mean sizes (prefill grows linearly with the prompt); else, with one trusted
-    band of larger prompts, that band's (an upper bound). `math.inf` when a trusted band of
-    prompts no longer than this one has that quantile beyond every cut; None when the bands say
-    nothing for this size (the deployment-wide figure then stands)."""
-    own = stats.bands.get(band_of(prompt_bytes))
-    if own is not None and own.ttft.trusted:
-        value: float | None = getattr(own.ttft, level)
-        return value
-    if own is not None and own.ttft.count >= BAND_EVIDENCE:
-        # Too few to trust that this size is fast, enough to believe it is slow: a few long
-        # prompts that all prefilled slowly outweigh a deployment-wide figure of short ones.
-        seen, whole = getattr(own.ttft, level), getattr(stats.ttft, level)
-        if seen is not None and (whole is None or seen > whole):
-            return float(seen)
-    points: list[tuple[float, float]] = []
-    for band in stats.bands.values():
-        found = getattr(band.ttft, level) if band.ttft.trusted else None
-        if found is None:
-            continue
-        if math.isinf(found):
-            if band.mean_bytes <= prompt_bytes:
-                return math.inf  # shorter prompts already have no known tail
-            continue
-        points.append((band.mean_bytes, found))
-    line = fit_line(points)
-    if line is not None:
-        base, slope = line
-        return base + slope * prompt_bytes
-    if len(points) == 1 and prompt_bytes <= points[0][0]:
-        return points[0][1]
-    return None
-
-
-def baseline_p50_ms(stats: TargetStats, prompt_bytes: int) -> float | None:
-    """A deployment's typical TTFT (ms) for a prompt of this size, trusted or not: its band's
-    median when the band has a few observations, else the size-aware estimate, else the
-    deployment-wide median. What a queue-based prediction adds the queue to."""
-    own = stats.bands.get(band_of(prompt_bytes))
-    if own is not None and own.ttft.count >= BAND_EVIDENCE and own.ttft.p50 is not None:
-        return own.ttft.p50
-    sized = ttft_for_size(stats, prompt_bytes, "p50") if stats.bands else None
-    return sized if sized is not None else stats.ttft.p50
-
-
-def _trusted(stats: MetricStats | None, level: Level, prior_s: float | None) -> float | None:
-    if stats is not None and stats.trusted:
-        value: float | None = getattr(stats, level)
-        if value is not None:
-            return value / 1000.0
-    return prior_s if level == "p99" else None
+TOTAL_HEADROOM = 0.9
+"""A candidate fits a total budget when its predicted total is within 90% of it: the prediction
+is a p99 from a sketch (2% error) over a window that lags drift, and a stream that overruns is
+either finished late or cut (`on_total_miss`), so the plan keeps a tenth of the budget spare."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +65,7 @@ class Budget:
     total_s: float | None = None
     tpot_s: float | None = None  # a per-token target (`x-slo-tpot-ms`), streaming only
     on_ttft_miss: OnTTFTMiss = "failover"
+    on_total_miss: OnTotalMiss = "finish"  # a committed stream past total_s: finished or cut
     rescue_share: float = 0.2  # share of requests a successor may take over (hedge cap, retries)
     model: str = ""  # the model the client asked for: whose rescue cap is spent
     arrived: float = 0.0  # perf_counter time the request arrived: every budget counts from here
@@ -437,7 +322,7 @@ def fits(
         if total is None:
             total = _typical_total_s(candidate, call.max_tokens)
         if total is not None:
-            verdicts.append(total <= budget.total_s)
+            verdicts.append(total <= budget.total_s * TOTAL_HEADROOM)
     if budget.tpot_s is not None and call.stream:
         tpot = candidate.tpot_p99_s
         if tpot is not None:
@@ -451,13 +336,17 @@ def plan(
     budget: Budget,
     *,
     cooling: Mapping[str, float] | None = None,
+    fallback_lead: bool = True,
 ) -> Plan:
     """Order `found` (from `candidates`) for this call.
 
     Deployments in `cooling` (id → seconds until they may be tried) are left out; when all are,
     raises CoolingDownError with the soonest retry-after. The first remaining candidate that fits
-    the budget leads (an unknown one fits: it is explored); the rest follow in their order. When
-    none fits, the one with the lowest predicted latency leads and the route says so.
+    the budget, with its `rescuer` to rescue a late first token, leads (an unknown one fits: it
+    is explored); its rescuer follows it, then the rest in their order. When none fits, the one
+    with the lowest predicted latency leads and the route says so. `fallback_lead=False` (the
+    model's `max_fallback_share` is spent): while a deployment of the requested model is
+    available, only those may lead; fallback models still rescue.
     """
     available = [c for c in found if not cooling or c.id not in cooling]
     if not available:
@@ -470,23 +359,64 @@ def plan(
     route: Route = "primary" if available[0] is found[0] else "error_fallback"
     if budget.ttft_s is None and budget.total_s is None and budget.tpot_s is None:
         return Plan(available, route)
-    best: tuple[float, int] | None = None
+    requested = found[0].model
+    own_only = not fallback_lead and any(c.model == requested for c in available)
+    best: tuple[float, int, Candidate | None] | None = None
     for index, candidate in enumerate(available):
-        # Whoever leads, the first of the others follows it.
-        successor = None if len(available) == 1 else available[1 if index == 0 else 0]
+        if own_only and candidate.model != requested:
+            continue
+        others = available[:index] + available[index + 1 :]
+        successor = rescuer(candidate, others, budget, call)
         verdict = fits(candidate, successor, budget, call)
         if verdict is False and recovered(candidate, successor, budget, call):
             verdict = True
         if verdict is None or verdict:
             if index == 0:
-                return Plan(available, route)
-            return _budget_lead(available, index, budget, call)
+                return Plan(_rescued_by(candidate, successor, others), route)
+            return _budget_lead(candidate, successor, others, budget, call)
         cost = _cost(candidate, budget, call)
         if cost is not None and (best is None or cost < best[0]):
-            best = (cost, index)
+            best = (cost, index, successor)
     if best is None:
         return Plan(available, route)
-    return Plan(_lead(available, best[1]), "budget_unattainable")
+    _, index, successor = best
+    lead = available[index]
+    others = available[:index] + available[index + 1 :]
+    return Plan(_rescued_by(lead, successor, others), "budget_unattainable")
+
+
+def rescuer(
+    lead: Candidate, others: Sequence[Candidate], budget: Budget, call: Call
+) -> Candidate | None:
+    """Who rescues `lead`'s late first token: of `others` (any deployment, of the requested
+    model or a fallback), the one whose rescue point is latest, that is the fastest to land by
+    the measure the rescue is timed with (its typical TTFT for a hedge, its padded p99 for a
+    failover). Without one that is measured and can land, the first of `others` (an unknown one
+    is explored as a hedge); None when there are no others."""
+    if not others:
+        return None
+    if budget.ttft_s is None or not call.stream or budget.on_ttft_miss == "none":
+        return others[0]
+    hedge = budget.on_ttft_miss == "hedge"
+    best: Candidate | None = None
+    latest = -math.inf
+    for other in others:
+        if _typical_s(other) is None:
+            continue  # unmeasured: explored only when nothing measured can land
+        at = rescue_point(budget.ttft_s, lead, other, hedge=hedge, share=budget.rescue_share)
+        if at is not None and at > latest:
+            best, latest = other, at
+    return best if best is not None else others[0]
+
+
+def _rescued_by(
+    lead: Candidate, successor: Candidate | None, others: Sequence[Candidate]
+) -> list[Candidate]:
+    """The lead, its rescuer next (the race rescues with the candidate after the lead), then
+    the rest in their order."""
+    if successor is None:
+        return [lead, *others]
+    return [lead, successor, *(c for c in others if c is not successor)]
 
 
 def recovered(
@@ -545,19 +475,38 @@ def _typical_total_s(candidate: Candidate, max_tokens: int | None) -> float | No
     return typical if typical > 0 else None
 
 
-def _budget_lead(available: list[Candidate], index: int, budget: Budget, call: Call) -> Plan:
-    """A later candidate leads because the earlier ones cannot meet the budget. Failing over
-    back into one of those (a saturated local server, say) would not help a late first token:
-    the ones that fit follow first, and with none of them the lead gets no TTFT deadline."""
-    lead = available[index]
-    others = available[:index] + available[index + 1 :]
-    fitting = [c for c in others if fits(c, None, budget, call) is not False]
-    rest = [c for c in others if fits(c, None, budget, call) is False]
-    return Plan([lead, *fitting, *rest], "budget", ttft_rescue=bool(fitting))
+def _budget_lead(
+    lead: Candidate,
+    successor: Candidate | None,
+    others: Sequence[Candidate],
+    budget: Budget,
+    call: Call,
+) -> Plan:
+    """A later candidate leads because the earlier ones cannot meet the budget. Its rescuer
+    follows it when one can land in time: a lead that can stall keeps its rescue, whether or
+    not the rescuer would meet the budget on its own (a hedge needs only its typical TTFT).
+    Failing over back into one that cannot land (a saturated local server, say) would not help
+    a late first token: after the rescuer, those that fit follow first; with no rescuer that
+    lands and none that fits, the lead gets no TTFT deadline."""
+    verdicts = [(c, fits(c, None, budget, call) is not False) for c in others]
+    fitting = [c for c, fit in verdicts if fit]
+    rest = [c for c, fit in verdicts if not fit]
+    lands = successor is not None and _lands(lead, successor, budget, call)
+    if lands:
+        assert successor is not None
+        order = _rescued_by(lead, successor, [*fitting, *rest])
+    else:
+        order = [lead, *fitting, *rest]
+    return Plan(order, "budget", ttft_rescue=lands or bool(fitting))
 
 
-def _lead(available: list[Candidate], index: int) -> list[Candidate]:
-    return [available[index], *available[:index], *available[index + 1 :]]
+def _lands(lead: Candidate, successor: Candidate, budget: Budget, call: Call) -> bool:
+    """Whether `successor` can rescue a late first token on `lead` inside the TTFT budget."""
+    if budget.ttft_s is None or not call.stream or budget.on_ttft_miss == "none":
+        return False
+    hedge = budget.on_ttft_miss == "hedge"
+    at = rescue_point(budget.ttft_s, lead, successor, hedge=hedge, share=budget.rescue_share)
+    return at is not None
 
 
 def _cost(candidate: Candidate, budget: Budget, call: Call) -> float | None:

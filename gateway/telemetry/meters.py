@@ -113,6 +113,7 @@ class Meters:
             ["model", "reason"],
             registry=registry,
         )
+        self.fallback_served = FallbackServed(registry)
         self.client_duration = Histogram(
             sc.CLIENT_OPERATION_DURATION,
             "GenAI operation duration per upstream attempt that completed or failed.",
@@ -320,6 +321,29 @@ class Meters:
             if last_token is not None:
                 decode.observe(last_token - first_token)
         total.observe(ended - arrived)
+
+
+class FallbackServed:
+    """What fallback models serve instead of the model asked for, and why (the route)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counter = Counter(
+            sc.FALLBACK_SERVED,
+            "Requests served by a fallback model instead of the model asked for, by the "
+            "fallback model and the route that reached it: budget or budget_unattainable "
+            "(for latency), hedge or ttft_failover (a rescue), error_fallback (after errors).",
+            ["model", "fallback", "route"],
+            registry=registry,
+        )
+        self._children: dict[tuple[str, str, str], Any] = {}
+
+    def count(self, model: str, fallback: str, route: str) -> None:
+        """One request of `model` served by the fallback model `fallback`, reached by `route`."""
+        key = (model, fallback, route)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.counter.labels(*key)
+        child.inc()
 
 
 class GuardsCollector(Collector):
