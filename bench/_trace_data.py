@@ -7,8 +7,8 @@ seed (see `docs/performance.md`):
 
 - arrivals: open loop, gamma-distributed gaps (shape 0.5: burstier than Poisson, coefficient of
   variation 1.4) with a mean rate of 7.8 requests/s;
-- prompt sizes: lognormal (median ~700 tokens, sigma 1.0), clipped to 1..14,000: mean ~1,155;
-- output lengths: lognormal (median ~150 tokens, sigma 0.9), clipped to 1..1,000: mean ~211.
+- prompt sizes: lognormal (median ~715 tokens, sigma 1.0), clipped to 1..14,000: mean ~1,155;
+- output lengths: lognormal (median ~145 tokens, sigma 0.9), clipped to 1..1,000: mean ~211.
 
 `read_trace` reads the real CSV (timestamps as `2023-11-16 18:15:46.6805900` or seconds).
 """
