@@ -153,25 +153,28 @@ class TraceUpstream:
             prefill_ms = model.base_ms + model.prefill_ms_per_1k * attempt.prompt_tokens / 1000
             await asyncio.sleep(prefill_ms * jitter * factor / 1000.0 + stall)
             response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-            await response.prepare(request)
-            sent = 0
-            while sent < tokens:
-                step = min(model.tokens_per_event, tokens - sent)
-                if sent:  # the first event is the first token, after the prefill
-                    await asyncio.sleep(model.tpot_ms * step * factor / 1000.0)
-                sent += step
-                last = sent >= tokens
-                usage = None
-                if last and model.usage:
-                    usage = {
-                        "prompt_tokens": attempt.prompt_tokens,
-                        "completion_tokens": tokens,
-                        "total_tokens": attempt.prompt_tokens + tokens,
-                    }
-                await response.write(
-                    _chunk(model.name, "tok " * step, "stop" if last else None, usage)
-                )
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
+            try:
+                await response.prepare(request)
+                sent = 0
+                while sent < tokens:
+                    step = min(model.tokens_per_event, tokens - sent)
+                    if sent:  # the first event is the first token, after the prefill
+                        await asyncio.sleep(model.tpot_ms * step * factor / 1000.0)
+                    sent += step
+                    last = sent >= tokens
+                    usage = None
+                    if last and model.usage:
+                        usage = {
+                            "prompt_tokens": attempt.prompt_tokens,
+                            "completion_tokens": tokens,
+                            "total_tokens": attempt.prompt_tokens + tokens,
+                        }
+                    await response.write(
+                        _chunk(model.name, "tok " * step, "stop" if last else None, usage)
+                    )
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+            except ConnectionError:  # the client closed it: a loser, or an outage
+                return response
             attempt.completed = True
             return response
