@@ -24,7 +24,7 @@ from gateway.sim.server import create_sim_app
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.test_latency_e2e import count, poll_latency, tailguard
 from tests.test_metrics import scrape_when
-from tests.timing import scaled
+from tests.timing import scaled, slowdown
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 
@@ -497,7 +497,16 @@ async def test_short_and_long_prompts_are_judged_by_their_own_size(
     """A primary that prefills slowly serves short prompts well within the budget and long ones
     not at all; the fallback prefills fast. Once each size has been measured, short prompts stay
     on the primary and long ones go to the fallback: a few long samples no longer make the
-    primary look slow for every prompt (before, its p99 over all sizes sent everything away)."""
+    primary look slow for every prompt (before, its p99 over all sizes sent everything away).
+
+    The samples are taught through `p-only`, a model on the primary alone: taught through `m`,
+    a snapshot refreshed between two long prompts (every second, whenever a busy machine lets
+    it) would rightly send the next one away before the primary had three of them. The budget
+    and the simulated prefill times stretch by one factor, so a short prompt's scheduling delay
+    on a busy machine stays as far inside the budget as on a quiet one."""
+    k = slowdown()
+    slow_prefill = f"p@prefill_base_ms={20 * k:.4g},prefill_ms_per_token={0.1 * k:.4g}"
+    fast_prefill = f"f@prefill_base_ms={40 * k:.4g},prefill_ms_per_token={0.01 * k:.4g}"
     settings = gateway_settings(
         {
             "p": {"type": "openai", "base_url": primary.base_url},
@@ -506,24 +515,19 @@ async def test_short_and_long_prompts_are_judged_by_their_own_size(
         [
             {
                 "name": "m",
-                "deployments": [
-                    {"provider": "p", "model": "p@prefill_base_ms=20,prefill_ms_per_token=0.1"}
-                ],
+                "deployments": [{"provider": "p", "model": slow_prefill}],
                 "fallbacks": ["b"],
-                "budget": {"ttft_ms": 300},
+                "budget": {"ttft_ms": round(300 * k)},
                 "on_ttft_miss": "none",
             },
-            {
-                "name": "b",
-                "deployments": [
-                    {"provider": "f", "model": "f@prefill_base_ms=40,prefill_ms_per_token=0.01"}
-                ],
-            },
+            {"name": "b", "deployments": [{"provider": "f", "model": fast_prefill}]},
+            {"name": "p-only", "deployments": [{"provider": "p", "model": slow_prefill}]},
         ],
         latency={"min_samples": 3},
     )
     short = {"model": "m", "stream": True, **CHAT}
     long_ = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "w " * 8000}]}
+    on_primary, on_fallback = "p/" + slow_prefill, "f/" + fast_prefill
 
     async def served(body: dict[str, Any]) -> str:
         async with client.stream("POST", gw.url + "/v1/chat/completions", json=body) as resp:
@@ -534,18 +538,13 @@ async def test_short_and_long_prompts_are_judged_by_their_own_size(
     async with run_gateway(settings) as gw:
         for body in (short, long_):  # three of each size teach the primary both bands
             for _ in range(3):
-                await served(body)
-        slow_prefill = "p/p@prefill_base_ms=20,prefill_ms_per_token=0.1"
-        await poll_latency(client, gw.url, count("deployments", slow_prefill, n=6))
+                assert await served({**body, "model": "p-only"}) == on_primary
+        await poll_latency(client, gw.url, count("deployments", on_primary, n=6))
         routes = [await served(short), await served(long_), await served(short)]
         fitted = (await client.get(gw.url + "/admin/latency")).json()["deployments"]
         stats = await asyncio.to_thread(tailguard, "stats", "--url", gw.url)
-    # The fitted model: about 0.1 ms a token, so ~25 ms per KiB of "w " prompt (2 chars a token).
-    slope = fitted[slow_prefill]["ttft_model"]["p50"]["ms_per_kib"]
-    assert 10 < slope < 60, fitted[slow_prefill]["ttft_model"]
+    # The fitted model: about 0.1·k ms a token, so ~25·k ms per KiB of "w " (2 chars a token).
+    slope = fitted[on_primary]["ttft_model"]["p50"]["ms_per_kib"]
+    assert 10 * k < slope < 60 * k, fitted[on_primary]["ttft_model"]
     assert "TTFT by prompt size (fitted)" in stats.stdout and "ms/KiB" in stats.stdout
-    assert routes == [
-        "p/p@prefill_base_ms=20,prefill_ms_per_token=0.1",
-        "f/f@prefill_base_ms=40,prefill_ms_per_token=0.01",
-        "p/p@prefill_base_ms=20,prefill_ms_per_token=0.1",
-    ]
+    assert routes == [on_primary, on_fallback, on_primary]

@@ -73,7 +73,7 @@ async def gw() -> AsyncIterator[Gateway]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with http_client(timeout=10) as client:
+    async with http_client(timeout=scaled(10)) as client:
         yield client
 
 

@@ -38,6 +38,7 @@ from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, ser
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.faults.conftest import CHAT, http_client, settled
 from tests.faults.wire import DONE, Exchange, RawUpstream
+from tests.timing import scaled
 
 EXAMPLES: Final = hypothesis.settings(
     max_examples=60,
@@ -240,7 +241,7 @@ async def test_hostile_retry_after_and_rate_limit_headers(upstream: Upstream) ->
         def check(status: int, headers: dict[str, str], stream: bool) -> None:
             case.update(status=status, headers=headers)
             seen = up.requests
-            with httpx.Client(base_url=gw.base_url, timeout=10) as http:
+            with httpx.Client(base_url=gw.base_url, timeout=scaled(10)) as http:
                 served = http.post(
                     "/chat/completions", json={"model": "m", **CHAT, "stream": stream}
                 )
@@ -299,7 +300,7 @@ async def test_lying_content_length(upstream: Upstream, declared: str, status: i
         settings = settings_for(up.url, fallback=upstream.base_url)
         async with (
             run_gateway(settings) as gw,
-            http_client(base_url=gw.base_url, timeout=10) as http,
+            http_client(base_url=gw.base_url, timeout=scaled(10)) as http,
         ):
             for stream in (False, True):
                 served = await http.post(
@@ -371,7 +372,7 @@ async def test_hostile_usage_counts_are_ignored() -> None:
             fields = _OPENAI_FIELDS if wire == "openai" else _ANTHROPIC_FIELDS
             case["usage"] = data.draw(_usage(fields))
             model = "solo" if wire == "openai" else "anth"
-            with httpx.Client(base_url=gw.base_url, timeout=10) as http:
+            with httpx.Client(base_url=gw.base_url, timeout=scaled(10)) as http:
                 request = {"model": model, **CHAT, "stream": stream, "max_tokens": 5}
                 response = http.post(ingress, json=request)
             assert response.status_code == 200, response.text
@@ -408,7 +409,7 @@ async def test_usage_json_cannot_hold_is_a_clean_failover(
         settings = settings_for(up.url, fallback=upstream.base_url)
         async with (
             run_gateway(settings) as gw,
-            http_client(base_url=gw.base_url, timeout=10) as http,
+            http_client(base_url=gw.base_url, timeout=scaled(10)) as http,
         ):
             served = await http.post("/chat/completions", json={"model": "m", **CHAT})
             alone = await http.post("/chat/completions", json={"model": "solo", **CHAT})
@@ -536,7 +537,7 @@ class Scrape:
 
 
 async def metrics(gw: Gateway) -> Scrape:
-    async with http_client(timeout=10) as http:
+    async with http_client(timeout=scaled(10)) as http:
         response = await http.get(gw.url + "/metrics")
     assert response.status_code == 200
     return Scrape(response.text)
@@ -612,7 +613,7 @@ async def test_metric_series_stay_bounded_whatever_comes_from_outside() -> None:
         settings = settings_for(up.url)
         async with (
             run_gateway(settings) as gw,
-            http_client(base_url=gw.base_url, timeout=10) as http,
+            http_client(base_url=gw.base_url, timeout=scaled(10)) as http,
         ):
             await traffic(http, range(7 * len(STATUSES)))  # every kind with every status
             await settled(up.url)
@@ -658,7 +659,7 @@ async def test_finish_reasons_of_any_json_type(reason: bytes, ingress: str) -> N
             )
 
     async with RawUpstream(script) as up, run_gateway(settings_for(up.url)) as gw:
-        async with http_client(base_url=gw.base_url, timeout=10) as http:
+        async with http_client(base_url=gw.base_url, timeout=scaled(10)) as http:
             for stream in (False, True):
                 request = {"model": "solo", **CHAT, "stream": stream, "max_tokens": 5}
                 response = await http.post(ingress, json=request)
@@ -698,7 +699,7 @@ async def test_upstream_strings_in_spans_are_bounded() -> None:
             # Every trace kept: the spans of the plain request are the ones checked.
             environ={"OTEL_EXPORTER_OTLP_ENDPOINT": collector, "TAILGUARD_TRACES_TAIL_RATIO": "1"},
         )
-        async with serve(app) as url, http_client(base_url=url + "/v1", timeout=10) as http:
+        async with serve(app) as url, http_client(base_url=url + "/v1", timeout=scaled(10)) as http:
             refused = await http.post(
                 "/chat/completions", json={"model": "solo", **CHAT, "user": "code"}
             )
