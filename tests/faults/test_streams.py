@@ -95,10 +95,11 @@ async def test_stall_without_successor_is_bounded_by_the_total_budget() -> None:
 
 
 async def test_stall_mid_stream_ends_with_a_timeout_event(client: httpx.AsyncClient) -> None:
-    """An upstream that goes silent after two tokens is cut when the total budget runs out: an
-    `upstream_timeout` error event, no `[DONE]`, and the upstream sees the close."""
+    """An upstream that goes silent after two tokens, on a model whose committed streams are cut
+    at the total budget (`on_total_miss: cut`), is cut when it runs out: an `upstream_timeout`
+    error event, no `[DONE]`, and the upstream sees the close."""
     async with RawUpstream(stream(*TOKENS, end="stall")) as up:
-        settings = routed(up.base_url, "stuck", budget={"total_ms": 400})
+        settings = routed(up.base_url, "stuck", budget={"total_ms": 400}, on_total_miss="cut")
         async with run_gateway(settings) as gw, asyncio.timeout(scaled(5)):
             started = time.perf_counter()
             status, lines = await sse(client, gw.url)
