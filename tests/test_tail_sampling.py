@@ -201,12 +201,15 @@ async def test_a_request_slower_than_its_deployments_p99_is_exported(
         request_id = slow.headers["x-request-id"]
         await collector.receiver.wait_for(lambda _: exported(collector, request_id))
         metrics = (await client.get(url + "/metrics")).text
-    (server,) = collector.receiver.of_kind("SERVER")
-    assert server.attributes[sc.TG_SLOW] is True
+    servers = servers_by_request(collector)
+    assert servers[request_id].attributes[sc.TG_SLOW] is True
+    # A quick request may itself land past a p99 of a few samples on a busy machine: exported
+    # then, and for the same reason. Nothing is exported for any other reason.
+    assert all(server.attributes.get(sc.TG_SLOW) is True for server in servers.values())
     counts = decisions(metrics)
-    assert counts[("exported", "slow")] == 1
+    assert counts[("exported", "slow")] == len(servers)
     assert counts[("dropped", "rest")] >= 5
-    assert sum(v for (decision, _), v in counts.items() if decision == "exported") == 1
+    assert sum(v for (decision, _), v in counts.items() if decision == "exported") == len(servers)
 
 
 async def test_share_of_one_exports_every_trace(
