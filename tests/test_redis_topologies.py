@@ -203,21 +203,27 @@ def cluster_with_replica() -> Iterator[tuple[Cluster, int, int]]:
     processes = Processes()
     try:
         made = create_cluster(processes, [cluster_port() for _ in range(3)])
-        primary, replica = made.owner("tg:lat:{d1}:0"), cluster_port()
-        start_cluster_node(processes, replica)
-        with sync_client(primary) as client:
-            primary_id = client.execute_command("CLUSTER MYID")
-        with sync_client(replica) as client:
-            client.execute_command("CLUSTER MEET", "127.0.0.1", str(primary))
-            wait_for(lambda: primary_id in client.execute_command("CLUSTER", "NODES"), "the meet")
-            client.execute_command("CLUSTER REPLICATE", primary_id)
-            wait_for(
-                lambda: client.info("replication")["master_link_status"] == "up",
-                "the replica to sync",
-            )
-        yield made, primary, replica
+        primary = made.owner("tg:lat:{d1}:0")
+        yield made, primary, add_replica(processes, primary)
     finally:
         processes.close()
+
+
+def add_replica(processes: Processes, primary: int) -> int:
+    """A new cluster node made `primary`'s replica, once it has synced: its port."""
+    replica = cluster_port()
+    start_cluster_node(processes, replica)
+    with sync_client(primary) as client:
+        primary_id = client.execute_command("CLUSTER MYID")
+    with sync_client(replica) as client:
+        client.execute_command("CLUSTER MEET", "127.0.0.1", str(primary))
+        wait_for(lambda: primary_id in client.execute_command("CLUSTER", "NODES"), "the meet")
+        client.execute_command("CLUSTER REPLICATE", primary_id)
+        wait_for(
+            lambda: client.info("replication")["master_link_status"] == "up",
+            "the replica to sync",
+        )
+    return replica
 
 
 @dataclass

@@ -19,11 +19,11 @@ from tests.test_redis_topologies import (
     SENTINEL_PASSWORD,
     Cluster,
     Processes,
+    add_replica,
     binary,
     cluster_ok,
     cluster_port,
     create_cluster,
-    start_cluster_node,
     sync_client,
     wait_for,
 )
@@ -68,19 +68,8 @@ def cluster_and_replica() -> Iterator[tuple[Cluster, int, int]]:
     processes = Processes()
     try:
         made = create_cluster(processes, [cluster_port() for _ in range(3)])
-        primary, replica = made.ports[0], cluster_port()
-        start_cluster_node(processes, replica)
-        with sync_client(primary) as client:
-            primary_id = client.execute_command("CLUSTER MYID")
-        with sync_client(replica) as client:
-            client.execute_command("CLUSTER MEET", "127.0.0.1", str(primary))
-            wait_for(lambda: primary_id in client.execute_command("CLUSTER", "NODES"), "the meet")
-            client.execute_command("CLUSTER REPLICATE", primary_id)
-            wait_for(
-                lambda: client.info("replication")["master_link_status"] == "up",
-                "the replica to sync",
-            )
-        yield made, primary, replica
+        primary = made.ports[0]
+        yield made, primary, add_replica(processes, primary)
     finally:
         processes.close()
 

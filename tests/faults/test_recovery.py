@@ -16,6 +16,7 @@ import httpx
 import orjson
 import pytest
 
+from gateway.config import Settings
 from tests.conftest import gateway_settings, run_gateway
 from tests.faults.conftest import chat, routed, settled
 from tests.faults.wire import DONE, Exchange, RawUpstream, sse_token
@@ -108,6 +109,24 @@ async def test_a_single_deployment_recovers_with_no_more_errors_than_a_plain_pro
     assert gateway[6:] == [200, 200, 200]
 
 
+def two_deployments(one: RawUpstream, two: RawUpstream, **extra: Any) -> Settings:
+    """Model `m` on two deployments, `p/x` at `one` and `q/x` at `two`."""
+    return gateway_settings(
+        {
+            "p": {"type": "openai", "base_url": one.base_url},
+            "q": {"type": "openai", "base_url": two.base_url},
+        },
+        [
+            {
+                "name": "m",
+                "deployments": [{"provider": "p", "model": "x"}, {"provider": "q", "model": "x"}],
+            }
+        ],
+        **NO_ACCESS_LOG,
+        **extra,
+    )
+
+
 async def test_a_model_whose_every_deployment_is_down_recovers_at_once(
     client: httpx.AsyncClient,
 ) -> None:
@@ -116,22 +135,7 @@ async def test_a_model_whose_every_deployment_is_down_recovers_at_once(
     back the next request is served by it."""
     first, second = Switch(up=False), Switch(up=False)
     async with RawUpstream(switched(first)) as one, RawUpstream(switched(second)) as two:
-        settings = gateway_settings(
-            {
-                "p": {"type": "openai", "base_url": one.base_url},
-                "q": {"type": "openai", "base_url": two.base_url},
-            },
-            [
-                {
-                    "name": "m",
-                    "deployments": [
-                        {"provider": "p", "model": "x"},
-                        {"provider": "q", "model": "x"},
-                    ],
-                }
-            ],
-            **NO_ACCESS_LOG,
-        )
+        settings = two_deployments(one, two)
         async with run_gateway(settings) as gw:
             codes: list[str] = []
             outage = [await through(client, gw.url, codes) for _ in range(8)]
@@ -154,22 +158,8 @@ async def test_a_multi_deployment_model_still_routes_around_a_failing_deployment
     served by the healthy one."""
     failing, healthy = Switch(up=False), Switch()
     async with RawUpstream(switched(failing)) as one, RawUpstream(switched(healthy)) as two:
-        settings = gateway_settings(
-            {
-                "p": {"type": "openai", "base_url": one.base_url},
-                "q": {"type": "openai", "base_url": two.base_url},
-            },
-            [
-                {
-                    "name": "m",
-                    "deployments": [
-                        {"provider": "p", "model": "x"},
-                        {"provider": "q", "model": "x"},
-                    ],
-                }
-            ],
-            routing={"cooldown": {"failures": 1, "base_s": 60, "probe_interval_s": 60}},
-            **NO_ACCESS_LOG,
+        settings = two_deployments(
+            one, two, routing={"cooldown": {"failures": 1, "base_s": 60, "probe_interval_s": 60}}
         )
         async with run_gateway(settings) as gw:
             answers = [
