@@ -396,12 +396,10 @@ async def test_a_committed_stream_past_the_total_budget_is_finished_and_counted_
 SLOW = "p/slow@prefill_base_ms=300"
 
 
-async def test_plan_routes_around_a_deployment_slower_than_the_budget(
-    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
-) -> None:
-    """Once the window trusts the primary's p99 TTFT and it misses the budget, requests start on
-    the fallback (route `budget`) without trying the primary first."""
-    settings = routed(
+def slow_primary(primary: Upstream, fallback: Upstream, **extra: Any) -> Any:
+    """Model `m` on a primary slower than its 200 ms TTFT budget (no deadline rescue), trusted
+    after 3 samples, with the fallback model beside it."""
+    return routed(
         primary,
         fallback,
         SLOW.removeprefix("p/"),
@@ -409,7 +407,16 @@ async def test_plan_routes_around_a_deployment_slower_than_the_budget(
         budget={"ttft_ms": 200},
         on_ttft_miss="none",
         latency={"min_samples": 3},
+        **extra,
     )
+
+
+async def test_plan_routes_around_a_deployment_slower_than_the_budget(
+    primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
+) -> None:
+    """Once the window trusts the primary's p99 TTFT and it misses the budget, requests start on
+    the fallback (route `budget`) without trying the primary first."""
+    settings = slow_primary(primary, fallback)
     async with run_gateway(settings) as gw:
         for _ in range(3):
             assert (await stream(client, gw.url))[0].headers["x-tailguard-route"] == "primary"
@@ -426,15 +433,7 @@ async def test_what_a_fallback_model_serves_is_counted_by_route(
 ) -> None:
     """A request routed to the fallback model for latency is counted in
     `tailguard_fallback_served` by the model asked for, the fallback and the route."""
-    settings = routed(
-        primary,
-        fallback,
-        SLOW.removeprefix("p/"),
-        prior_ms=None,
-        budget={"ttft_ms": 200},
-        on_ttft_miss="none",
-        latency={"min_samples": 3},
-    )
+    settings = slow_primary(primary, fallback)
     served = sc.FALLBACK_SERVED + "_total"
     async with run_gateway(settings) as gw:
         for _ in range(3):
@@ -453,16 +452,7 @@ async def test_max_fallback_share_keeps_the_requested_model_leading(
     """With `max_fallback_share: 0`, a requested model the window says misses the budget still
     serves its requests while it is available (route budget_unattainable): no share of its
     traffic is moved to the fallback model for latency."""
-    settings = routed(
-        primary,
-        fallback,
-        SLOW.removeprefix("p/"),
-        prior_ms=None,
-        budget={"ttft_ms": 200},
-        on_ttft_miss="none",
-        max_fallback_share=0,
-        latency={"min_samples": 3},
-    )
+    settings = slow_primary(primary, fallback, max_fallback_share=0)
     async with run_gateway(settings) as gw:
         for _ in range(3):
             await stream(client, gw.url)
