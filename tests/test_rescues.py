@@ -212,3 +212,24 @@ async def test_a_stalling_primary_keeps_its_request_and_is_hedged_by_the_fastest
     await ledger.aclose()
     assert (opened.candidate.id, opened.route) == ("small/m", "hedge")
     assert (large.opened, second.opened, small.opened) == (1, 0, 1)
+
+
+async def test_an_error_fails_over_to_the_requested_model_before_a_faster_fallback() -> None:
+    """The plan puts the lead's rescuer, the fast fallback model, second; but an error is no
+    late first token: its failover goes to the requested model's other deployment first, and
+    the fallback is not tried while that one answers."""
+    primary, second = Upstream("large", fails=True), Upstream("second", ttft_s=0.01)
+    small = Upstream("small", ttft_s=0.01)
+    found = [
+        replace(_measured(candidate(primary), 800.0, 500.0, 300.0), model="m"),
+        replace(_measured(candidate(second), 1500.0, 1200.0, 850.0), model="m"),
+        replace(_measured(candidate(small), 300.0, 300.0, 300.0), model="small"),
+    ]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10, model="m")
+    chosen = plan(found, parse_call("chat", orjson.dumps(body)), budget)
+    assert [c.id for c in chosen.candidates] == ["large/m", "small/m", "second/m"]
+    opened, ledger = await race(chosen, guards(), MemoryLatencyStore(), ttft_s=1.0, cap=0.10)
+    await ledger.aclose()
+    assert (opened.candidate.id, opened.route) == ("second/m", "error_fallback")
+    assert (primary.opened, second.opened, small.opened) == (1, 1, 0)

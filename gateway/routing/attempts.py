@@ -75,6 +75,18 @@ async def open_first(
 _reaping: set[asyncio.Task[None]] = set()  # cleanups that outlive a cancelled request
 
 
+def _requested_first(queue: deque[Candidate], model: str) -> None:
+    """Move the requested model's next deployment to the front of `queue`. The plan puts a
+    lead's rescuer second, which may be a faster fallback model; an error is no late first
+    token, so its failover keeps the model asked for while one of its deployments is left."""
+    for index, candidate in enumerate(queue):
+        if candidate.model == model:
+            if index:
+                del queue[index]
+                queue.appendleft(candidate)
+            return
+
+
 class _Race:
     """One request's attempts as they run. Every attempt it starts is in the ledger until closed;
     `settle()` (always run, in `open_first`'s `finally`) closes whatever is left but the winner."""
@@ -261,10 +273,10 @@ class _Race:
                 self.ledger.close(live, TTFT_DEADLINE, wasted=True)
 
     def _failover(self, failed: str) -> bool:
-        """Every attempt failed (the last on `failed`): start the next candidate, within the
-        retry budget."""
+        """Every attempt failed (the last on `failed`): start the next, within the retry budget."""
         if not self.queue or not self.ledger.retry_token():
             return False
+        _requested_first(self.queue, self.budget.model)
         return self._launch("error_fallback") is not None
 
     # -- ending attempts --
