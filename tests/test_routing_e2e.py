@@ -432,7 +432,9 @@ async def test_what_a_fallback_model_serves_is_counted_by_route(
     primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
 ) -> None:
     """A request routed to the fallback model for latency is counted in
-    `tailguard_fallback_served` by the model asked for, the fallback and the route."""
+    `tailguard_fallback_served` by the model asked for, the fallback and the route, and the
+    same count is a headline figure next to attainment: in `/admin/latency` (what the
+    dashboard draws), `tailguard stats` and `tailguard report`."""
     settings = slow_primary(primary, fallback)
     served = sc.FALLBACK_SERVED + "_total"
     async with run_gateway(settings) as gw:
@@ -441,9 +443,36 @@ async def test_what_a_fallback_model_serves_is_counted_by_route(
         await poll_latency(client, gw.url, count("deployments", SLOW, n=3))
         resp, _, _ = await stream(client, gw.url)
         found = await scrape_when(client, gw.url, lambda s: s.value(served) >= 1)
+        latency = (await client.get(gw.url + "/admin/latency")).json()
+        shown, report = await asyncio.gather(
+            asyncio.to_thread(tailguard, "stats", "--url", gw.url),
+            asyncio.to_thread(tailguard, "report", "--url", gw.url, "--format", "json"),
+        )
     assert resp.headers["x-tailguard-route"] == "budget"
     assert found.value(served, model="m", fallback="b", route="budget") == 1
     assert found.value(served) == 1
+    # Three requests on the primary, one moved to the fallback model for latency.
+    headline = {
+        "requests": 4,
+        "served": 1,
+        "share": 0.25,
+        "routes": {"budget": 1},
+        "fallbacks": {"b": 1},
+    }
+    assert latency["counters"]["fallback"]["m"] == headline
+    # A configured model not asked for yet is there too, with nothing to share.
+    assert latency["counters"]["fallback"]["b"] == {
+        "requests": 0,
+        "served": 0,
+        "share": None,
+        "routes": {},
+        "fallbacks": {},
+    }
+    assert shown.returncode == 0, shown.stderr
+    row = next(line for line in shown.stdout.splitlines() if line.split()[:1] == ["m"])
+    assert "25.0% (1/4)" in row and "budget 1" in row, shown.stdout
+    assert report.returncode == 0, report.stderr
+    assert orjson.loads(report.stdout)["models"]["m"]["fallback_served"] == headline
 
 
 async def test_max_fallback_share_keeps_the_requested_model_leading(
