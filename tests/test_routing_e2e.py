@@ -131,6 +131,8 @@ async def test_stalled_primary_is_cut_at_its_deadline(
         resp, lines, ttft = await stream(client, gw.url)
         async with asyncio.timeout(scaled(5)):
             await primary.stats.wait_for(lambda s: s.cancelled == 1)  # the upstream saw the close
+        # Beside attainment: served by the fallback model, rescued at the deadline.
+        assert await fallback_routes(client, gw.url, 1) == {"ttft_failover": 1}
     assert resp.status_code == 200
     assert lines[-1] == "data: [DONE]"
     assert resp.headers["x-tailguard-route"] == "ttft_failover"
@@ -165,6 +167,16 @@ async def test_last_candidate_is_not_cut_by_the_ttft_budget(
 # --- hedging -------------------------------------------------------------------------------------
 
 
+async def fallback_routes(client: httpx.AsyncClient, url: str, served: int) -> dict[str, int]:
+    """Model `m`'s fallback-served counts by route in `/admin/latency`, once `served` are in
+    (a request's outcome is recorded as its stream ends, maybe after the client read it)."""
+    body = await poll_latency(
+        client, url, lambda b: b["counters"]["fallback"]["m"]["served"] >= served
+    )
+    routes: dict[str, int] = body["counters"]["fallback"]["m"]["routes"]
+    return routes
+
+
 def hedged(primary: Upstream, fallback: Upstream, first: str, second: str = "ok") -> Any:
     return routed(
         primary,
@@ -187,6 +199,7 @@ async def test_hedge_wins_and_the_primary_is_closed(
         resp, lines, _ = await stream(client, gw.url)
         async with asyncio.timeout(scaled(1)):
             await primary.stats.wait_for(lambda s: s.cancelled == 1)
+        assert await fallback_routes(client, gw.url, 1) == {"hedge": 1}
     assert resp.status_code == 200
     assert resp.headers["x-tailguard-route"] == "hedge"
     assert resp.headers["x-tailguard-deployment"] == "f/ok"
@@ -263,6 +276,7 @@ async def test_rate_limited_primary_fails_over_and_cools_down(
     async with run_gateway(settings) as gw:
         first, _, _ = await stream(client, gw.url)
         second, _, _ = await stream(client, gw.url)
+        assert await fallback_routes(client, gw.url, 2) == {"error_fallback": 2}
         latency = (await client.get(gw.url + "/admin/latency")).json()
     assert first.headers["x-tailguard-route"] == "error_fallback"
     assert first.headers["x-tailguard-attempts"] == "2"
