@@ -250,8 +250,12 @@ async def test_stats_command_reads_a_live_gateway(
     assert "assistant-e2e" in table.stdout
     assert "source memory" in table.stdout
     assert "TTFT" in table.stdout
+    # Next to attainment, the share a fallback model served: none of the three.
+    row = next(line for line in table.stdout.splitlines() if "assistant-e2e" in line)
+    assert "0.0% (0/3)" in row, table.stdout
     assert raw.returncode == 0, raw.stderr
     snapshot = orjson.loads(raw.stdout)
+    assert snapshot["counters"]["fallback"]["assistant-e2e"]["share"] == 0.0
     assert snapshot["deployments"]["up/tiny-e2e"]["ttft_ms"]["count"] == 3
     assert snapshot["models"]["assistant-e2e"]["requests"] == 3
     assert down.returncode == 1

@@ -183,6 +183,14 @@ async def test_report_command_writes_the_latency_report_from_a_live_gateway(
     assert router["client_requests"] == 2 * n
     assert (router["rescues"], router["extra_load"]) == (0, 0.0)
     assert router["wasted"] == {"attempts": 0, "prompt_tokens": 0}
+    # Next to attainment: nothing served by a fallback model (it has none).
+    assert chat["fallback_served"] == {
+        "requests": 2 * n,
+        "served": 0,
+        "share": 0.0,
+        "routes": {},
+        "fallbacks": {},
+    }
 
     # The Markdown shows the same numbers.
     text = md.stdout
@@ -202,6 +210,7 @@ async def test_report_command_writes_the_latency_report_from_a_live_gateway(
     assert shown(cells(text, "ttft", after="Stages")[3]) == BUDGET["ttft_ms"]
     assert shown(cells(text, "total", after="Stages")[3]) == BUDGET["total_ms"]
     assert shown(cells(text, "primary", after="What the router did")[1]) == 2 * n
+    assert f"Served by a fallback model: 0.0% (0 of {2 * n} requests since start)." in text
 
     assert written.returncode == 0, written.stderr
     assert written.stdout == ""
@@ -289,3 +298,44 @@ def test_unknown_values_render_as_a_dash_and_cut_tails_as_more_than() -> None:
     assert slow[5] == "> 700 ms"  # p99
     assert cells(text, "ttft", after="## slow")[1] == "—"  # no stage histogram yet
     assert shown(cells(text, "ttft", after="## slow")[3]) == 500
+
+
+def test_what_a_fallback_model_served_is_shown_next_to_attainment_with_its_routes() -> None:
+    """The counts of `/admin/latency`'s `counters.fallback` reach the JSON as they are and the
+    Markdown as a line under the SLO attainment table: the share, then by route and by
+    fallback model; a model with no requests shows "—"."""
+    fallback = {
+        "requests": 125,
+        "served": 71,
+        "share": 0.568,
+        "routes": {"hedge": 11, "budget": 60},
+        "fallbacks": {"fast": 71},
+    }
+    latency: Body = {
+        "window_s": 60,
+        "source": "memory",
+        "age_s": 0.2,
+        "deployments": {},
+        "models": {},
+        "config": {
+            "models": [
+                {"name": "large", "deployments": ["a/l"], "fallbacks": ["fast"], "budget": {}},
+                {"name": "fast", "deployments": ["a/f"], "budget": {}},
+            ]
+        },
+        "counters": {"routes": {}, "hedges": {}, "cooldowns": {}, "fallback": {"large": fallback}},
+    }
+    report = build_report(latency, "", source="http://gw")
+    assert report["models"]["large"]["fallback_served"] == {
+        **fallback,
+        "routes": {"budget": 60, "hedge": 11},
+    }
+    assert report["models"]["fast"]["fallback_served"]["share"] is None
+    text = render_markdown(report)
+    large = text[text.index("## large") : text.index("## fast")]
+    assert (
+        "Served by a fallback model: 56.8% (71 of 125 requests since start); by route: "
+        "budget 60, hedge 11; by fallback: `fast` 71." in large
+    )
+    assert large.index("### SLO attainment") < large.index("Served by a fallback model")
+    assert "Served by a fallback model: — (0 of 0 requests since start)." in text

@@ -131,6 +131,8 @@ async def test_stalled_primary_is_cut_at_its_deadline(
         resp, lines, ttft = await stream(client, gw.url)
         async with asyncio.timeout(scaled(5)):
             await primary.stats.wait_for(lambda s: s.cancelled == 1)  # the upstream saw the close
+        # Beside attainment: served by the fallback model, rescued at the deadline.
+        assert await fallback_routes(client, gw.url, 1) == {"ttft_failover": 1}
     assert resp.status_code == 200
     assert lines[-1] == "data: [DONE]"
     assert resp.headers["x-tailguard-route"] == "ttft_failover"
@@ -165,6 +167,16 @@ async def test_last_candidate_is_not_cut_by_the_ttft_budget(
 # --- hedging -------------------------------------------------------------------------------------
 
 
+async def fallback_routes(client: httpx.AsyncClient, url: str, served: int) -> dict[str, int]:
+    """Model `m`'s fallback-served counts by route in `/admin/latency`, once `served` are in
+    (a request's outcome is recorded as its stream ends, maybe after the client read it)."""
+    body = await poll_latency(
+        client, url, lambda b: b["counters"]["fallback"]["m"]["served"] >= served
+    )
+    routes: dict[str, int] = body["counters"]["fallback"]["m"]["routes"]
+    return routes
+
+
 def hedged(primary: Upstream, fallback: Upstream, first: str, second: str = "ok") -> Any:
     return routed(
         primary,
@@ -187,6 +199,7 @@ async def test_hedge_wins_and_the_primary_is_closed(
         resp, lines, _ = await stream(client, gw.url)
         async with asyncio.timeout(scaled(1)):
             await primary.stats.wait_for(lambda s: s.cancelled == 1)
+        assert await fallback_routes(client, gw.url, 1) == {"hedge": 1}
     assert resp.status_code == 200
     assert resp.headers["x-tailguard-route"] == "hedge"
     assert resp.headers["x-tailguard-deployment"] == "f/ok"
@@ -263,6 +276,7 @@ async def test_rate_limited_primary_fails_over_and_cools_down(
     async with run_gateway(settings) as gw:
         first, _, _ = await stream(client, gw.url)
         second, _, _ = await stream(client, gw.url)
+        assert await fallback_routes(client, gw.url, 2) == {"error_fallback": 2}
         latency = (await client.get(gw.url + "/admin/latency")).json()
     assert first.headers["x-tailguard-route"] == "error_fallback"
     assert first.headers["x-tailguard-attempts"] == "2"
@@ -432,7 +446,9 @@ async def test_what_a_fallback_model_serves_is_counted_by_route(
     primary: Upstream, fallback: Upstream, client: httpx.AsyncClient
 ) -> None:
     """A request routed to the fallback model for latency is counted in
-    `tailguard_fallback_served` by the model asked for, the fallback and the route."""
+    `tailguard_fallback_served` by the model asked for, the fallback and the route, and the
+    same count is a headline figure next to attainment: in `/admin/latency` (what the
+    dashboard draws), `tailguard stats` and `tailguard report`."""
     settings = slow_primary(primary, fallback)
     served = sc.FALLBACK_SERVED + "_total"
     async with run_gateway(settings) as gw:
@@ -441,9 +457,36 @@ async def test_what_a_fallback_model_serves_is_counted_by_route(
         await poll_latency(client, gw.url, count("deployments", SLOW, n=3))
         resp, _, _ = await stream(client, gw.url)
         found = await scrape_when(client, gw.url, lambda s: s.value(served) >= 1)
+        latency = (await client.get(gw.url + "/admin/latency")).json()
+        shown, report = await asyncio.gather(
+            asyncio.to_thread(tailguard, "stats", "--url", gw.url),
+            asyncio.to_thread(tailguard, "report", "--url", gw.url, "--format", "json"),
+        )
     assert resp.headers["x-tailguard-route"] == "budget"
     assert found.value(served, model="m", fallback="b", route="budget") == 1
     assert found.value(served) == 1
+    # Three requests on the primary, one moved to the fallback model for latency.
+    headline = {
+        "requests": 4,
+        "served": 1,
+        "share": 0.25,
+        "routes": {"budget": 1},
+        "fallbacks": {"b": 1},
+    }
+    assert latency["counters"]["fallback"]["m"] == headline
+    # A configured model not asked for yet is there too, with nothing to share.
+    assert latency["counters"]["fallback"]["b"] == {
+        "requests": 0,
+        "served": 0,
+        "share": None,
+        "routes": {},
+        "fallbacks": {},
+    }
+    assert shown.returncode == 0, shown.stderr
+    row = next(line for line in shown.stdout.splitlines() if line.split()[:1] == ["m"])
+    assert "25.0% (1/4)" in row and "budget 1" in row, shown.stdout
+    assert report.returncode == 0, report.stderr
+    assert orjson.loads(report.stdout)["models"]["m"]["fallback_served"] == headline
 
 
 async def test_max_fallback_share_keeps_the_requested_model_leading(

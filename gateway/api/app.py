@@ -127,8 +127,11 @@ def _latency_view(services: Services) -> dict[str, Any]:
     hedges: dict[str, dict[str, int]] = {}
     for (model, result), count in services.guards.hedges.counts.items():
         hedges.setdefault(model, {})[result] = count
+    requests = dict.fromkeys((m.name for m in services.settings.models), 0)
+    requests |= {model: sum(by_route.values()) for model, by_route in routes.items()}
     body["counters"] = {
         "routes": routes,
+        "fallback": services.meters.fallback_served.by_model(requests),
         "hedges": hedges,
         "cooldowns": dict(services.guards.cooldowns.opened),
     }

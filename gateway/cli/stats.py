@@ -159,10 +159,12 @@ def _quantile(metric: dict[str, Any], q: str) -> str:
 def _attainment_table(snapshot: dict[str, Any]) -> Table:
     """Per model: the share of requests that met their TTFT, total and TPOT budgets, the p99
     against the configured budget, the extra load (rescues per client request) and the prompt
-    tokens of wasted attempts."""
+    tokens of wasted attempts, and the share of its requests a fallback model served with the
+    routes that reached it (since start, from the same counter as the metric)."""
     table = Table(title="SLO attainment", title_justify="left", box=box.SIMPLE_HEAD, padding=0)
     models: dict[str, dict[str, Any]] = snapshot["models"]
     configured = {m["name"]: m["budget"] for m in snapshot.get("config", {}).get("models", ())}
+    fallback: dict[str, dict[str, Any]] = snapshot.get("counters", {}).get("fallback", {})
     names = [*configured, *(name for name in models if name not in configured)]
     table.add_column("\nmodel", overflow="fold", min_width=min(max(map(len, names), default=0), 16))
     for column in (
@@ -173,13 +175,15 @@ def _attainment_table(snapshot: dict[str, Any]) -> Table:
         "TPOT\nmet",
         "extra\nload",
         "wasted\nprompt tokens",
+        "fallback\nserved",
     ):
         table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("\nwhy (route)", overflow="fold")
     for name in names:
         target = models.get(name)
         budget = configured.get(name, {})
         if target is None:
-            table.add_row(escape(name), *["-"] * 7)
+            table.add_row(escape(name), *["-"] * 7, *_fallback(fallback.get(name)))
             continue
         extra = target.get("extra_load")
         table.add_row(
@@ -191,8 +195,18 @@ def _attainment_table(snapshot: dict[str, Any]) -> Table:
             _attained(target["slo"]["tpot"]),
             "-" if extra is None else f"{extra:.1%}",
             str(target["wasted"]["prompt_tokens"]),
+            *_fallback(fallback.get(name)),
         )
     return table
+
+
+def _fallback(counts: dict[str, Any] | None) -> tuple[str, str]:
+    """`20.0% (1/5)` served by a fallback model, and why: `budget 1, hedge 2`."""
+    if not counts or not counts["requests"]:
+        return "-", "-"
+    served, requests = counts["served"], counts["requests"]
+    routes = ", ".join(f"{route} {n}" for route, n in sorted(counts["routes"].items()))
+    return f"{served / requests:.1%} ({served}/{requests})", escape(routes) or "-"
 
 
 def _attained(counts: dict[str, Any]) -> str:

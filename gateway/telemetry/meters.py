@@ -336,6 +336,9 @@ class FallbackServed:
             registry=registry,
         )
         self._children: dict[tuple[str, str, str], Any] = {}
+        # (model, fallback, route) -> requests since start: the counter's own values, which
+        # `/admin/latency` (and the dashboard, `stats` and `report` through it) reads.
+        self.counts: dict[tuple[str, str, str], int] = {}
 
     def count(self, model: str, fallback: str, route: str) -> None:
         """One request of `model` served by the fallback model `fallback`, reached by `route`."""
@@ -344,6 +347,27 @@ class FallbackServed:
         if child is None:
             child = self._children[key] = self.counter.labels(*key)
         child.inc()
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def by_model(self, requests: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+        """Per model with `requests` (client requests since start, every outcome) or anything
+        served by a fallback: the requests, how many a fallback model served and their share,
+        and those by route and by fallback model."""
+        found: dict[str, dict[str, Any]] = {
+            model: {"requests": n, "served": 0, "routes": {}, "fallbacks": {}}
+            for model, n in requests.items()
+        }
+        for (model, fallback, route), n in self.counts.items():
+            entry = found.setdefault(
+                model, {"requests": 0, "served": 0, "routes": {}, "fallbacks": {}}
+            )
+            entry["served"] += n
+            entry["routes"][route] = entry["routes"].get(route, 0) + n
+            entry["fallbacks"][fallback] = entry["fallbacks"].get(fallback, 0) + n
+        for entry in found.values():
+            total = entry["requests"]
+            entry["share"] = round(entry["served"] / total, 4) if total else None
+        return found
 
 
 class GuardsCollector(Collector):

@@ -286,6 +286,7 @@ def _model(
         "slo": {
             slo: _slo(stats, slo, budget.get(f"{slo}_ms")) for slo in ("ttft", "total", "tpot")
         },
+        "fallback_served": _fallback_served((counters.get("fallback") or {}).get(name)),
         "router": {
             "routes": dict((counters.get("routes") or {}).get(name) or {}),
             "served_by": dict(sorted(served.items())),
@@ -299,6 +300,18 @@ def _model(
         "per_deployment": [
             _deployment(d, via, deployments.get(d) or {}) for d, via in candidates.items()
         ],
+    }
+
+
+def _fallback_served(counts: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What fallback models served of the model's requests since start, and by which route."""
+    counts = counts or {}
+    return {
+        "requests": int(counts.get("requests") or 0),
+        "served": int(counts.get("served") or 0),
+        "share": counts.get("share"),
+        "routes": dict(sorted((counts.get("routes") or {}).items())),
+        "fallbacks": dict(sorted((counts.get("fallbacks") or {}).items())),
     }
 
 
@@ -521,6 +534,7 @@ def _model_markdown(name: str, model: Mapping[str, Any]) -> list[str]:
         )
     header = ["SLO", "budget", "attainment", "met", "judged", "p99", "p99 within budget"]
     lines += _table(header, rows)
+    lines += _fallback_markdown(model["fallback_served"])
     lines += _router_markdown(model["router"], cap)
     lines += [
         "### Deployments",
@@ -548,6 +562,20 @@ def _model_markdown(name: str, model: Mapping[str, Any]) -> list[str]:
     header = ["deployment", "attempts", "errors", "TTFT p50", "TTFT p99", "total p99"]
     lines += _table([*header, "TTFT attainment", "total attainment", "breaker"], rows)
     return lines
+
+
+def _fallback_markdown(fallback: Mapping[str, Any]) -> list[str]:
+    routes = ", ".join(f"{route} {_count(n)}" for route, n in fallback["routes"].items())
+    models = ", ".join(f"`{name}` {_count(n)}" for name, n in fallback["fallbacks"].items())
+    return [
+        f"Served by a fallback model: {_share(fallback['share'])} ({_count(fallback['served'])} "
+        f"of {_count(fallback['requests'])} requests since start)"
+        + (f"; by route: {routes}; by fallback: {models}" if routes else "")
+        + ". Routes: budget and budget_unattainable moved it for latency (bounded by "
+        "`max_fallback_share`), hedge and ttft_failover rescued it, error_fallback followed "
+        "errors.",
+        "",
+    ]
 
 
 def _router_markdown(router: Mapping[str, Any], cap: Any) -> list[str]:
