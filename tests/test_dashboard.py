@@ -31,8 +31,6 @@ from playwright.async_api import (
 from gateway.api import create_app
 from gateway.config import Settings
 from tests.conftest import Upstream, gateway_settings, run_gateway
-from tests.test_latency_e2e import count, poll_latency
-from tests.test_routing_e2e import SLOW, sim, slow_primary, stream
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -397,35 +395,3 @@ async def test_dashboard_shows_the_vllm_servers_figures(
             (tmp_path_factory.getbasetemp() / "dashboard-vllm.png").write_bytes(png)
             assert watched.errors == []
             assert watched.foreign(gw.url) == []
-
-
-async def test_dashboard_shows_what_a_fallback_model_served_next_to_attainment() -> None:
-    """A request moved to the fallback model for latency shows, beside the model's attainment,
-    as the share its fallback served and the route that moved it (the fallback-served counts
-    of `/admin/latency`)."""
-    async with (
-        sim() as primary,
-        sim() as fallback,
-        run_gateway(slow_primary(primary, fallback)) as gw,
-        httpx.AsyncClient(timeout=10) as client,
-        chromium() as browser,
-    ):
-        page = await browser.new_page(viewport={"width": 1280, "height": 900})
-        watched = Watched(page)
-        response = await page.goto(gw.url + "/dashboard")
-        assert response is not None and response.ok
-        served = page.locator('[data-model="m"] [data-field="fallback-served"]')
-        await expect(served).to_have_text("—")
-        await expect(
-            page.locator('[data-model="m"] [data-field="fallback-served-detail"]')
-        ).to_have_text("no requests yet")
-        for _ in range(3):
-            await stream(client, gw.url)
-        await poll_latency(client, gw.url, count("deployments", SLOW, n=3))
-        resp, _, _ = await stream(client, gw.url)
-        assert resp.headers["x-tailguard-route"] == "budget"
-        await expect(served).to_have_text("25%", timeout=WAIT_MS)
-        await expect(served).to_have_attribute("data-value", "0.25")
-        detail = page.locator('[data-model="m"] [data-field="fallback-served-detail"]')
-        await expect(detail).to_have_text("1 of 4 · budget 1")
-        assert watched.errors == []

@@ -33,6 +33,9 @@ QUANTILES: Final = ("p50", "p95", "p99")
 _LEVELS: Final = (("p50", 0.50), ("p90", 0.90), ("p95", 0.95), ("p99", 0.99))
 _WANTED: Final = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
 DASH: Final = "—"
+_NO_FALLBACK: Final[dict[str, Any]] = dict(
+    requests=0, served=0, share=None, routes={}, fallbacks={}
+)
 Quantiles = dict[str, Any]
 
 
@@ -286,7 +289,8 @@ def _model(
         "slo": {
             slo: _slo(stats, slo, budget.get(f"{slo}_ms")) for slo in ("ttft", "total", "tpot")
         },
-        "fallback_served": _fallback_served((counters.get("fallback") or {}).get(name)),
+        # What fallback models served of its requests since start, and by which route.
+        "fallback_served": {**_NO_FALLBACK, **((counters.get("fallback") or {}).get(name) or {})},
         "router": {
             "routes": dict((counters.get("routes") or {}).get(name) or {}),
             "served_by": dict(sorted(served.items())),
@@ -300,18 +304,6 @@ def _model(
         "per_deployment": [
             _deployment(d, via, deployments.get(d) or {}) for d, via in candidates.items()
         ],
-    }
-
-
-def _fallback_served(counts: Mapping[str, Any] | None) -> dict[str, Any]:
-    """What fallback models served of the model's requests since start, and by which route."""
-    counts = counts or {}
-    return {
-        "requests": int(counts.get("requests") or 0),
-        "served": int(counts.get("served") or 0),
-        "share": counts.get("share"),
-        "routes": dict(sorted((counts.get("routes") or {}).items())),
-        "fallbacks": dict(sorted((counts.get("fallbacks") or {}).items())),
     }
 
 
@@ -565,15 +557,13 @@ def _model_markdown(name: str, model: Mapping[str, Any]) -> list[str]:
 
 
 def _fallback_markdown(fallback: Mapping[str, Any]) -> list[str]:
-    routes = ", ".join(f"{route} {_count(n)}" for route, n in fallback["routes"].items())
+    routes = ", ".join(f"{route} {_count(n)}" for route, n in sorted(fallback["routes"].items()))
     models = ", ".join(f"`{name}` {_count(n)}" for name, n in fallback["fallbacks"].items())
     return [
         f"Served by a fallback model: {_share(fallback['share'])} ({_count(fallback['served'])} "
         f"of {_count(fallback['requests'])} requests since start)"
         + (f"; by route: {routes}; by fallback: {models}" if routes else "")
-        + ". Routes: budget and budget_unattainable moved it for latency (bounded by "
-        "`max_fallback_share`), hedge and ttft_failover rescued it, error_fallback followed "
-        "errors.",
+        + ".",
         "",
     ]
 
