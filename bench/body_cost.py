@@ -67,8 +67,12 @@ def measure(number: int) -> list[dict[str, Any]]:
                 "loads_us": _best_us(lambda raw=raw: orjson.loads(raw), number),
                 "parse_call_us": _best_us(lambda raw=raw: parse_call("chat", raw), number),
                 "chain_us": _best_us(lambda call=call: prefix_chain(call, 64 * 1024), number),
-                "forward_us": _best_us(lambda: prepare(usage, provider, "m", {}), number),
-                "rename_us": _best_us(lambda: prepare(call, provider, "org/m", {}), number),
+                "forward_us": _best_us(
+                    lambda usage=usage: prepare(usage, provider, "m", {}), number
+                ),
+                "rename_us": _best_us(
+                    lambda call=call: prepare(call, provider, "org/m", {}), number
+                ),
             }
         )
     return rows
