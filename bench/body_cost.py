@@ -13,6 +13,7 @@ several repeats of many calls; no servers, no network, a few seconds in all.
 from __future__ import annotations
 
 import argparse
+import json
 import timeit
 from dataclasses import replace
 from types import SimpleNamespace
@@ -44,10 +45,15 @@ def bodies() -> dict[str, bytes]:
         "14k tokens": [system, {"role": "user", "content": _text(14_000)}],
         "41 messages": [*turns[:40], {"role": "user", "content": "and then?"}],
     }
-    return {
-        name: orjson.dumps({"model": "m", "stream": True, "max_tokens": 256, "messages": m})
-        for name, m in shapes.items()
-    }
+    # Clients differ: compact as JavaScript and httpx send it, or spaced and ASCII-escaped as
+    # Python's json.dumps (older SDKs, requests) does; a curly quote makes the escapes real.
+    out = {}
+    for name, messages in shapes.items():
+        body = {"model": "m", "stream": True, "max_tokens": 256, "messages": messages}
+        body["messages"][-1] = {**messages[-1], "content": messages[-1]["content"] + " \u2019"}
+        out[f"{name}, compact"] = orjson.dumps(body)
+        out[f"{name}, spaced"] = json.dumps(body).encode()
+    return out
 
 
 def _best_us(fn: Any, number: int, repeat: int = 5) -> float:
