@@ -49,8 +49,8 @@ def bodies() -> dict[str, bytes]:
     # Python's json.dumps (older SDKs, requests) does; a curly quote makes the escapes real.
     out = {}
     for name, messages in shapes.items():
-        body = {"model": "m", "stream": True, "max_tokens": 256, "messages": messages}
-        body["messages"][-1] = {**messages[-1], "content": messages[-1]["content"] + " \u2019"}
+        last = {**messages[-1], "content": messages[-1]["content"] + " \u2019"}
+        body = {"model": "m", "stream": True, "max_tokens": 256, "messages": [*messages[:-1], last]}
         out[f"{name}, compact"] = orjson.dumps(body)
         out[f"{name}, spaced"] = json.dumps(body).encode()
     return out
