@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
@@ -237,6 +238,16 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return found
 
 
+_ESCAPED_COLON: Final = re.compile(rb"\\u003[aA]")
+
+
+def _count(data: bytes, byte: bytes) -> int:
+    """How often `byte` occurs in `data`. `bytes.count` compares byte by byte; deleting them
+    finds each with memchr, about ten times faster on a large body (and copies nothing when
+    there are none)."""
+    return len(data) - len(data.replace(byte, b""))
+
+
 def load_body(raw: bytes) -> Any:
     """The parsed body, refused if it could not be forwarded as it was understood."""
     try:
@@ -250,21 +261,24 @@ def load_body(raw: bytes) -> Any:
             "but what was sent was not valid JSON.)",
             code="invalid_json",
         ) from None
-    # One serialisation (C speed, a fraction of the parse) gives the body as parsed, to count
-    # its key-value pairs against those of the raw body. Nested in `_WRAPPING` lists it also
-    # checks the depth; only a body with more brackets than the limit can be that deep, so
-    # the others (nearly all) skip building the wrapping.
+    # One serialisation (C speed, a fraction of the parse) gives the body as parsed. When the
+    # client sent it in the same compact form (JavaScript, httpx) the bytes are equal and no
+    # key can have been dropped; otherwise its key-value pairs are counted against the raw
+    # body's. Nested in `_WRAPPING` lists it also checks the depth; only a body with more
+    # brackets than the limit can be that deep, so the others (nearly all) skip the wrapping.
     wrapped: Any = body
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+    if _count(raw, b"[") + _count(raw, b"{") > MAX_JSON_DEPTH:
         for _ in range(_WRAPPING):
             wrapped = [wrapped]
     try:
         parsed = orjson.dumps(wrapped)
     except orjson.JSONEncodeError:  # a parsed body can fail only on its depth
         raise _too_deep() from None
+    if parsed == raw:
+        return body
     # Every pair has one colon outside strings; strings keep theirs when re-serialised, except
     # a colon escaped as \u003a. Equal counts without that escape: no key was dropped.
-    if raw.count(b":") != parsed.count(b":") or b"\\u003a" in raw or b"\\u003A" in raw:
+    if _count(raw, b":") != _count(parsed, b":") or _ESCAPED_COLON.search(raw):
         json.loads(raw.decode(), object_pairs_hook=_unique_keys)  # the exact check, rarely needed
     return body
 
