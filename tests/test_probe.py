@@ -47,7 +47,9 @@ async def test_long_prompt_moves_ttft(upstream: Upstream) -> None:
     assert all(r.ok for r in results), [r.error for r in results]
     assert [number(summary, c, "n") for c in ("short", "long_prompt")] == [5, 5]
     short, long = (stat(summary, c, "ttft_ms", "p50") for c in ("short", "long_prompt"))
-    assert long >= 2 * short
+    # Differences, not ratios: a busy machine adds the same delay to both and can make the
+    # short one's p50 large, but no load shortens the simulated prefill.
+    assert long - short >= 80  # half of the ~160 ms of extra prefill
     assert long >= 100  # the prefill really happened: ~160 ms expected
 
 
@@ -65,7 +67,7 @@ async def test_long_output_moves_total_not_ttft(upstream: Upstream) -> None:
         stat(summary, c, "total_ms", "p50") for c in ("short", "long_output")
     )
     short_ttft, long_ttft = (stat(summary, c, "ttft_ms", "p50") for c in ("short", "long_output"))
-    assert long_total >= 2 * short_total
+    assert long_total - short_total >= 0.5 * (400 - 32)  # half the extra decoding, in ms
     # TTFT shifts by a small fraction of what total time does: the prompts are the same size.
     assert abs(long_ttft - short_ttft) < 0.25 * (long_total - short_total)
     rate = number(summary, "long_output", "tokens_per_s_p50")

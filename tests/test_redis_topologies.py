@@ -358,7 +358,7 @@ async def test_cluster_failover_is_followed_without_client_retries(
         a.record(ok("d1", "chat"))
         started = time.monotonic()
         await a.flush()
-        assert time.monotonic() - started < 1.0  # short timeouts, no retries
+        assert time.monotonic() - started < scaled(1.0)  # short timeouts, no retries
         assert (a.state, a.flush_failures) == ("degraded", 1)
 
         def every_node_sees_the_new_primary() -> bool:
@@ -375,7 +375,12 @@ async def test_cluster_failover_is_followed_without_client_retries(
             if a.state == "ok":
                 break
         assert (a.state, a.pending_fields) == ("ok", 0)
-        assert (await b.refresh()).deployments["d1"].requests == 2
+        for _ in range(4):  # a read a busy machine timed out opens b's breaker: wait it out
+            shared = (await b.refresh()).deployments.get("d1")
+            if shared is not None:
+                break
+            clock.now += 10.0 * 1.2
+        assert shared is not None and shared.requests == 2
         assert "Redis failed" in caplog.text
         assert PASSWORD not in caplog.text + repr(a.health())
 
