@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import socket
+import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import uvicorn
 
-from gateway.api.app import create_app
-from gateway.config.settings import build_settings
+from gateway.tools.stack import Stack, start_gateway
 
 ANSWER = (
     b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"x",'
@@ -79,29 +77,20 @@ class Upstream:
 
 @asynccontextmanager
 async def gateway(upstream_port: int) -> AsyncIterator[str]:
-    settings = build_settings(
-        {
-            "providers": {
-                "p": {"type": "openai", "base_url": f"http://127.0.0.1:{upstream_port}/v1"}
-            },
-            "models": [{"name": "m", "deployments": [{"provider": "p", "model": "x"}]}],
-            "server": {"access_log": False},
-        }
-    )
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(create_app(settings), log_level="critical", access_log=False)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
+    """`tailguard serve`, as deployed, with one model on the upstream; its base URL."""
+    config = {
+        "providers": {"p": {"type": "openai", "base_url": f"http://127.0.0.1:{upstream_port}/v1"}},
+        "models": [{"name": "m", "deployments": [{"provider": "p", "model": "x"}]}],
+        "server": {"access_log": False},
+    }
+    with tempfile.TemporaryDirectory() as logs:
+        stack = Stack(logs=Path(logs))
+        try:
+            # In a thread: start-up waits on /healthz while this loop serves the upstream.
+            port, _ = await asyncio.to_thread(start_gateway, stack, config)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stack.stop()
 
 
 @dataclass
@@ -184,7 +173,6 @@ def main() -> None:
     parser.add_argument("--down-s", type=float, default=8.0, help="seconds the port is closed")
     parser.add_argument("--after-s", type=float, default=4.0, help="seconds after it is back")
     args = parser.parse_args()
-    logging.getLogger("tailguard").setLevel(logging.ERROR)  # one warning per failed request
     asyncio.run(run(args.rate, args.up_s, args.down_s, args.after_s))
 
 
