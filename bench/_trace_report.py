@@ -78,14 +78,14 @@ def recovery_s(
 
 def summarize(
     outcomes: Sequence[Outcome],
-    attempts: Sequence[tuple[str, int, bool]],
+    attempts: Sequence[tuple[str, int, bool, bool]],
     model_of: Mapping[str, str],
     ttft_budget_s: float,
     total_budget_s: float,
     incident_end: float | None,
 ) -> dict[str, Any]:
-    """One arm's figures. `attempts`: (upstream deployment, prompt tokens, completed) for every
-    request its upstreams received; `model_of`: deployment -> model name."""
+    """One arm's figures. `attempts`: (upstream deployment, prompt tokens, completed, answered)
+    for every request its upstreams received; `model_of`: deployment -> model name."""
     n = len(outcomes)
     ok = [o for o in outcomes if o.error is None]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
@@ -95,7 +95,15 @@ def summarize(
     for deployment, count in served.items():
         by_model[model_of.get(deployment, "?")] += count
     client_tokens = sum(o.prompt_tokens for o in outcomes)
-    wasted = sum(tokens for _, tokens, completed in attempts if not completed)
+    wasted = sum(tokens for _, tokens, completed, _ in attempts if not completed)
+    # Where the waste went: per deployment, (attempts, of them answered, prompt tokens).
+    waste: dict[str, list[int]] = {}
+    for deployment, tokens, completed, answered in attempts:
+        if not completed:
+            row = waste.setdefault(deployment, [0, 0, 0])
+            row[0] += 1
+            row[1] += answered
+            row[2] += tokens
     errors = Counter((o.error or "")[:60] for o in outcomes if o.error is not None)
     return {
         "requests": n,
@@ -111,6 +119,10 @@ def summarize(
         "upstream_requests": len(attempts),
         "extra_upstream_requests": (len(attempts) - n) / n if n else None,
         "wasted_prompt_tokens": wasted / client_tokens if client_tokens else None,
+        "wasted_by_deployment": {
+            d: {"attempts": a, "answered": answered, "prompt_tokens": t}
+            for d, (a, answered, t) in sorted(waste.items())
+        },
         "recovery_s": None
         if incident_end is None
         else recovery_s(outcomes, incident_end, ttft_budget_s, total_budget_s),

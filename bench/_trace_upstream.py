@@ -52,6 +52,7 @@ class Attempt:
     key: str
     prompt_tokens: int
     completed: bool = False
+    answered: bool = False  # its first token was sent (a loser timed to its first token)
 
 
 def draw(model: LatencyModel, seed: int, key: str, attempt: int) -> tuple[float, float]:
@@ -155,6 +156,7 @@ class TraceUpstream:
             response = web.StreamResponse(headers={"content-type": "text/event-stream"})
             try:
                 await response.prepare(request)
+                attempt.answered = True
                 sent = 0
                 while sent < tokens:
                     step = min(model.tokens_per_event, tokens - sent)
