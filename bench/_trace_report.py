@@ -4,8 +4,9 @@ Per arm: SLO attainment (no error, first token within the TTFT budget and the an
 total budget, both from the request's scheduled time), errors, TTFT p50/p90/p99 and total p99,
 the share served per deployment and per model, extra upstream requests (attempts the upstreams
 received beyond one per client request), wasted prompt tokens (prompt tokens of attempts whose
-stream did not complete, over the client's prompt tokens) and the recovery time after an
-incident. And the paired overhead: per request, the same draw direct and through a gateway.
+prefill began and whose stream did not complete, over the client's prompt tokens) and the
+recovery time after an incident. And the paired overhead: per request, the same draw direct
+and through a gateway.
 """
 
 from __future__ import annotations

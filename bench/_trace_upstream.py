@@ -12,8 +12,11 @@ States, switched by the scenario: `normal`; `slow` (everything but the stalls `s
 times slower, for requests arriving in it); `down` (the port is closed and open connections
 are reset: connections refused, as when a server is gone).
 
-Each attempt is recorded: its key, prompt tokens, and whether its stream completed (a stream
-closed by the client before its end is waste: a hedge's loser, a cancelled attempt).
+A stall is a wait for the provider's capacity before the prefill begins (a queue, a cold
+replica); the prefill follows it. Each attempt is recorded: its key, prompt tokens, whether its
+prefill began and whether its stream completed. An attempt whose prefill began and whose stream
+the client closed before its end is waste (a hedge's loser, a cancelled attempt); one given up
+while it waited in the queue or its stall cost the provider nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Attempt:
     key: str
     prompt_tokens: int
     completed: bool = False
+    prefilling: bool = False  # its prefill began: if it does not complete, that work is waste
     answered: bool = False  # its first token was sent (a loser timed to its first token)
 
 
@@ -151,8 +155,11 @@ class TraceUpstream:
         model = self.model
         assert self._slots is not None
         async with self._slots:
+            if stall:  # waiting for the provider's capacity: no prefill done yet
+                await asyncio.sleep(stall)
+            attempt.prefilling = True
             prefill_ms = model.base_ms + model.prefill_ms_per_1k * attempt.prompt_tokens / 1000
-            await asyncio.sleep(prefill_ms * jitter * factor / 1000.0 + stall)
+            await asyncio.sleep(prefill_ms * jitter * factor / 1000.0)
             response = web.StreamResponse(headers={"content-type": "text/event-stream"})
             try:
                 await response.prepare(request)

@@ -247,7 +247,7 @@ async def run_scenario(
     results: dict[str, Any] = {}
     for arm in arms:
         attempts = [
-            (d, a.prompt_tokens, a.completed, a.answered)
+            (d, a.prompt_tokens, a.completed or not a.prefilling, a.answered)
             for d, u in arm.upstreams.items()
             for a in u.attempts
             if a.key.startswith("tr-")

@@ -756,3 +756,28 @@ def test_a_per_token_target_is_judged_on_the_measured_tpot() -> None:
     assert fits(nominal, None, budget, call()) is False
     assert fits(replace(nominal, measured_tpot_s=0.02), None, budget, call()) is True
     assert fits(replace(nominal, measured_tpot_s=0.08), None, budget, call()) is False
+
+
+def test_one_stall_among_a_few_samples_of_a_size_is_not_its_typical_case() -> None:
+    """A band of prompts with a few samples, one of them a 3 s stall, is as slow as its median
+    says (here 20% slower than the deployment's), with the deployment's own tail: its p90 is
+    not that stall. A primary with a 4% stall rate keeps such prompts, its stalls hedged by a
+    fast fallback, instead of sending them all to the fallback until the band is trusted."""
+    size = 8_000
+    whole = MetricStats(250.0, 400.0, 600.0, 3000.0, 200, True)
+    few = MetricStats(300.0, 3000.0, 3000.0, 3000.0, 6, False)  # one stall of six
+    primary_stats = replace(stats(whole), bands={band_of(size): BandStats(few, size)})
+    assert ttft_for_size(primary_stats, size, "p90") == pytest.approx(480.0)
+    assert ttft_for_size(primary_stats, size, "p99") == pytest.approx(3600.0)
+    spec = DeploymentSpec(provider="p", model="a")
+    primary = Candidate("m", spec, StubProvider(), primary_stats, prompt_bytes=size)
+    fallback = Candidate(
+        "f", DeploymentSpec(provider="p", model="b"), StubProvider(), stats(metric(200.0))
+    )
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10)
+    chosen = plan([primary, fallback], call(), budget)
+    assert (ids(chosen.candidates), chosen.route) == (["a", "b"], "primary")
+    # A size whose few samples are all slow still reads slow.
+    slow = MetricStats(2500.0, 3000.0, 3000.0, 3000.0, 6, False)
+    all_slow = replace(stats(whole), bands={band_of(size): BandStats(slow, size)})
+    assert ttft_for_size(all_slow, size, "p90") == pytest.approx(4000.0)

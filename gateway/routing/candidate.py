@@ -110,9 +110,15 @@ def ttft_for_size(stats: TargetStats, prompt_bytes: int, level: Level) -> float 
     if own is not None and own.ttft.count >= BAND_EVIDENCE:
         # Too few to trust that this size is fast, enough to believe it is slow: a few long
         # prompts that all prefilled slowly outweigh a deployment-wide figure of short ones.
-        seen, whole = getattr(own.ttft, level), getattr(stats.ttft, level)
-        if seen is not None and (whole is None or seen > whole):
-            return float(seen)
+        # Their median says so; their tail does not (one stall in five samples is their p90),
+        # so the tail is the deployment's, scaled by how much slower this size's median is.
+        seen, typical = own.ttft.p50, stats.ttft.p50
+        whole = getattr(stats.ttft, level)
+        if seen is not None and typical and whole is not None:
+            if seen > typical:
+                return float(whole * seen / typical)
+        elif (tail := getattr(own.ttft, level)) is not None and (whole is None or tail > whole):
+            return float(tail)
     points: list[tuple[float, float]] = []
     for band in stats.bands.values():
         found = getattr(band.ttft, level) if band.ttft.trusted else None
