@@ -25,7 +25,7 @@ import asyncio
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import orjson
 from aiohttp import web
@@ -57,6 +57,8 @@ class Attempt:
     completed: bool = False
     prefilling: bool = False  # its prefill began: if it does not complete, that work is waste
     answered: bool = False  # its first token was sent (a loser timed to its first token)
+    arrived: float = 0.0  # loop time it arrived, and it ended (for a run's own diagnostics)
+    ended: float = 0.0
 
 
 def draw(model: LatencyModel, seed: int, key: str, attempt: int) -> tuple[float, float]:
@@ -145,8 +147,17 @@ class TraceUpstream:
             for m in body.get("messages", ())
             if isinstance(m, dict) and isinstance(m.get("content"), str)
         )
-        attempt = Attempt(key, max(1, (chars + 3) // 4))
+        loop = asyncio.get_running_loop()
+        attempt = Attempt(key, max(1, (chars + 3) // 4), arrived=loop.time())
         self.attempts.append(attempt)
+        try:
+            return await self._serve(request, attempt, body, key)
+        finally:
+            attempt.ended = loop.time()
+
+    async def _serve(
+        self, request: web.BaseRequest, attempt: Attempt, body: dict[str, Any], key: str
+    ) -> web.StreamResponse:
         n = self._seen[key]
         self._seen[key] += 1
         jitter, stall = draw(self.model, self.seed, key, n)

@@ -100,7 +100,9 @@ def provider(port: int) -> dict[str, str]:
 def gateway_config(arm: str, ports: dict[str, int]) -> dict[str, Any]:
     """`one`: the primary alone, budgets only; `configured`: both providers and the fallback."""
     budget = {"ttft_ms": TTFT_BUDGET_MS, "total_ms": TOTAL_BUDGET_MS}
-    common = {"latency": {"store": "memory"}, "server": {"host": "127.0.0.1", "access_log": False}}
+    # The configured arm keeps its access log (in the run's logs: what each request's route was).
+    server = {"host": "127.0.0.1", "access_log": arm == "configured"}
+    common = {"latency": {"store": "memory"}, "server": server}
     if arm == "one":
         return {
             **common,

@@ -213,6 +213,19 @@ def test_the_rescuer_is_the_fastest_candidate_not_the_next_in_order(
     assert rescuer(primary, [second, small], budget, call()) is small
 
 
+def test_of_two_rescuers_started_at_the_same_point_the_faster_rescues() -> None:
+    """Two heavy-tailed rescuers both start at the primary's own p95 (neither tail lands
+    otherwise): the one with the lower typical TTFT rescues, whatever the order."""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10, model="m")
+    primary = cand("large", metric(8000.0, p95=300.0, p90=200.0))
+    slower = cand("slower", metric(2000.0, p95=700.0, p90=500.0))
+    faster = cand("faster", metric(2000.0, p95=500.0, p90=300.0))
+    assert rescue_point(1.0, primary, slower, hedge=True) == pytest.approx(0.3)
+    assert rescue_point(1.0, primary, faster, hedge=True) == pytest.approx(0.3)
+    assert rescuer(primary, [slower, faster], budget, call()) is faster
+    assert rescuer(primary, [faster, slower], budget, call()) is faster
+
+
 def test_a_deployment_of_the_requested_model_that_can_be_saved_leads_before_a_fallback() -> None:
     """The requested model's first deployment cannot meet the budget (3 s flat); its second
     stalls 8% of the time but, rescued by the fallback, fits: it leads, not the fallback. (Before,
@@ -496,11 +509,18 @@ def test_an_attempt_that_is_long_not_late_is_never_cut() -> None:
     assert rescue_point(1.0, late, successor, hedge=False) == pytest.approx(0.56)
 
 
-def test_hedge_point_is_the_p95_when_the_budget_is_tight() -> None:
-    """p99 plus a failover would not fit and the p95 comes before the deadline: hedge at p95."""
+def test_hedge_point_is_as_early_as_the_successors_tail_needs_when_the_budget_is_tight() -> None:
+    """p99 plus a failover would not fit: the hedge starts early enough for the successor's
+    p99 to land too, and never before the attempt's own p95. A successor with no tail beyond
+    its p90 is started at the last moment: a hedge of an attempt only slower than usual mostly
+    loses to it, and one of the two prefills is thrown away."""
     a = cand("a", metric(900.0, p95=400.0))  # 0.9 + 1.1 * 0.3 = 1.23 > 1.0: tight
     assert deadline(1.0, cand("b", FAST)) == pytest.approx(0.67)
-    assert hedge_point(1.0, a, cand("b", FAST)) == pytest.approx(0.4)
+    assert hedge_point(1.0, a, cand("b", FAST)) == pytest.approx(0.67)
+    tailed = cand("b", metric(450.0, p95=350.0, p90=300.0))  # its p99 lands if started by 0.505
+    assert hedge_point(1.0, a, tailed) == pytest.approx(1.0 - 0.495)
+    heavy = cand("b", metric(800.0, p95=350.0, p90=300.0))  # not even by the p95: at the p95
+    assert hedge_point(1.0, a, heavy) == pytest.approx(0.4)
 
 
 def test_hedge_point_is_the_deadline_when_the_budget_is_not_tight() -> None:

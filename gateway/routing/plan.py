@@ -250,7 +250,12 @@ def hedge_point(
     at = remaining_s - need
     soon, p99 = candidate.ttft_quantile_s(early), candidate.ttft_p99_s
     if soon is not None and p99 is not None and p99 + need > remaining_s and soon < at:
-        return soon
+        # Early enough for the successor's tail to land as well, but no earlier: a hedge
+        # started while the attempt is only slower than usual mostly loses to it, and one of
+        # the two prefills is thrown away.
+        tail = successor.ttft_p99_s
+        safe = soon if tail is None else remaining_s - tail * SUCCESSOR_MARGIN
+        return min(at, max(soon, safe))
     return at
 
 
@@ -399,13 +404,15 @@ def rescuer(
         return others[0]
     hedge = budget.on_ttft_miss == "hedge"
     best: Candidate | None = None
-    latest = -math.inf
+    latest = (-math.inf, 0.0)
     for other in others:
-        if _typical_s(other) is None:
+        typical = _typical_s(other)
+        if typical is None:
             continue  # unmeasured: explored only when nothing measured can land
         at = rescue_point(budget.ttft_s, lead, other, hedge=hedge, share=budget.rescue_share)
-        if at is not None and at > latest:
-            best, latest = other, at
+        # The same rescue point (both started at the lead's own late quantile): the faster wins.
+        if at is not None and (at, -typical) > latest:
+            best, latest = other, (at, -typical)
     return best if best is not None else others[0]
 
 
