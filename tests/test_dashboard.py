@@ -1,6 +1,7 @@
 """The dashboard (`GET /dashboard`) in a real headless Chromium, against a real gateway and a real
-simulated upstream: it lists the configured models before any traffic, follows live traffic, loads
-nothing from any other origin, logs no console errors, and keeps working across a gateway restart.
+simulated upstream: it lists the configured models before any traffic, follows live traffic, shows
+what fallback models served beside attainment, loads nothing from any other origin, logs no
+console errors, and keeps working across a gateway restart.
 
 Uses the Debian `chromium` binary (`.ci/run` installs it), never a browser Playwright downloads.
 """
@@ -208,6 +209,102 @@ async def test_dashboard_shows_models_and_follows_live_traffic(
         assert watched.foreign(gw.url) == []
         assert any(url == gw.url + "/admin/latency" for url in watched.requests)
         assert watched.errors == []
+
+
+# --- what fallback models served ------------------------------------------------------------------
+
+SLOW = "slow@prefill_base_ms=300"
+
+
+def served_by_fallbacks(upstream: Upstream) -> Settings:
+    """`m` on a primary slower than its 200 ms TTFT budget (no rescue; trusted after 3 samples,
+    then moved to `b` for latency, within a cap of 30%), `flaky` on a primary that always fails
+    (served by `b` after the error), and `b`."""
+    return gateway_settings(
+        # A plain OpenAI-compatible provider: routing goes by the window alone (a vLLM server's
+        # own TTFT, of all its models, would predict for `m` and `b` alike, and sooner).
+        {"up": {"type": "openai", "base_url": upstream.base_url}},
+        [
+            {
+                "name": "m",
+                "deployments": [{"provider": "up", "model": SLOW}],
+                "fallbacks": ["b"],
+                "budget": {"ttft_ms": 200},
+                "on_ttft_miss": "none",
+                "max_fallback_share": 0.3,
+            },
+            {
+                "name": "flaky",
+                "deployments": [{"provider": "up", "model": "bad@error_500_rate=1"}],
+                "fallbacks": ["b"],
+            },
+            {"name": "b", "deployments": [{"provider": "up", "model": "ok"}]},
+        ],
+        latency={"min_samples": 3},
+    )
+
+
+async def test_dashboard_shows_what_fallback_models_served(
+    upstream: Upstream, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Next to attainment, each model's share of requests a fallback model served, which one and
+    why (the route), and its `max_fallback_share`: one of `m`'s four requests moved to `b` for
+    latency, `flaky`'s one request served by `b` after an error; `b` was asked for nothing."""
+    from tests.test_latency_e2e import count, poll_latency
+
+    async with (
+        run_gateway(served_by_fallbacks(upstream)) as gw,
+        httpx.AsyncClient(timeout=10) as client,
+        chromium() as browser,
+    ):
+        page = await browser.new_page(viewport={"width": 1280, "height": 900})
+        watched = Watched(page)
+        response = await page.goto(gw.url + "/dashboard")
+        assert response is not None and response.ok
+        served = '[data-model="{model}"] [data-field="fallback-served{part}"]'
+        m, flaky, b = (
+            (
+                page.locator(served.format(model=name, part="")),
+                page.locator(served.format(model=name, part="-detail")),
+            )
+            for name in ("m", "flaky", "b")
+        )
+        # Before any traffic: nothing to share, and the cap where there is one.
+        await expect(m[0]).to_have_text("—")
+        await expect(m[1]).to_have_text("no requests since start · cap 30%")
+        await expect(flaky[1]).to_have_text("no requests since start · no cap")
+
+        # Three requests on the slow primary; once the window trusts its p99, the fourth is
+        # moved to the fallback model (route budget).
+        await stream_chat(client, gw.url, "m", 3)
+        await poll_latency(client, gw.url, count("deployments", f"up/{SLOW}", n=3))
+        await stream_chat(client, gw.url, "m", 1)
+        await stream_chat(client, gw.url, "flaky", 1)
+        # A request's outcome is recorded as its stream ends, maybe after the client read it.
+        body = await poll_latency(
+            client,
+            gw.url,
+            lambda body: all(
+                body["counters"]["fallback"][n]["served"] == 1 for n in ("m", "flaky")
+            ),
+        )
+        assert body["counters"]["fallback"]["m"]["routes"] == {"budget": 1}
+
+        await expect(m[0]).to_have_text("25.0%", timeout=WAIT_MS)
+        await expect(m[0]).to_have_attribute("data-value", "0.25")
+        await expect(m[1]).to_have_text("b (budget) · 1 of 4 since start · cap 30%")
+        await expect(flaky[0]).to_have_text("100%", timeout=WAIT_MS)
+        await expect(flaky[1]).to_have_text("b (error_fallback) · 1 of 1 since start · no cap")
+        await expect(b[0]).to_have_text("—")
+        await expect(b[1]).to_have_text("no requests since start · no cap")
+        # The attainment beside it is unchanged: m's TTFT budget judged all four requests.
+        await expect(
+            page.locator('[data-model="m"] [data-field="slo-ttft-detail"]')
+        ).to_contain_text("of 4 met")
+        png = await page.locator('[data-model="m"]').screenshot()
+        (tmp_path_factory.getbasetemp() / "dashboard-fallback.png").write_bytes(png)
+        assert watched.errors == []
+        assert watched.foreign(gw.url) == []
 
 
 # --- a gateway restart ---------------------------------------------------------------------------

@@ -117,6 +117,7 @@ def _latency_view(services: Services) -> dict[str, Any]:
                 "budget": {"ttft_ms": m.budget.ttft_ms, "total_ms": m.budget.total_ms},
                 "on_ttft_miss": m.on_ttft_miss,
                 "hedge_max_fraction": m.hedge_max_fraction,
+                "max_fallback_share": m.max_fallback_share,
             }
             for m in services.settings.models
         ]
