@@ -226,6 +226,19 @@ def test_of_two_rescuers_started_at_the_same_point_the_faster_rescues() -> None:
     assert rescuer(primary, [faster, slower], budget, call()) is faster
 
 
+def test_a_fallback_seen_in_a_few_fast_samples_rescues_before_a_slow_trusted_one() -> None:
+    """A fallback that serves little (six samples, all fast) is still known to land fast: it
+    rescues the primary, at the last moment its tail allows, rather than the slow second
+    provider the primary's own p95 would start (a hedge that mostly loses)."""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10, model="m")
+    primary = cand("large", metric(750.0, p95=290.0, p90=250.0))
+    second = cand("second", metric(780.0, p95=600.0, p90=500.0))
+    few_fast = fallback("s", MetricStats(150.0, 180.0, 190.0, 200.0, 6, False))
+    assert rescuer(primary, [second, few_fast], budget, call()) is few_fast
+    assert rescue_point(1.0, primary, few_fast, hedge=True) == pytest.approx(1.0 - 0.198)
+    assert rescue_point(1.0, primary, second, hedge=True) == pytest.approx(0.29)
+
+
 def test_a_deployment_of_the_requested_model_that_can_be_saved_leads_before_a_fallback() -> None:
     """The requested model's first deployment cannot meet the budget (3 s flat); its second
     stalls 8% of the time but, rescued by the fallback, fits: it leads, not the fallback. (Before,
@@ -672,6 +685,28 @@ def test_a_routed_away_deployment_is_explored_when_due() -> None:
     assert with_exploration(chosen, found, lambda _: False) is chosen
     loaded = [replace(found[0], predicted_ttft_s=3.0), found[1]]
     assert with_exploration(plan(loaded, call(), STRICT), loaded, lambda _: True).explore is False
+
+
+def test_explorations_are_made_with_short_prompts_and_speak_for_short_prompts() -> None:
+    """One of an exploration's two attempts is thrown away, prefill and all: a long prompt is
+    not explored with (nor does it use up the deployment's turn), and what short explorations
+    measured brings a deployment back for short prompts only."""
+    found = [replace(c, prompt_bytes=LONG) for c in (cand("a", SLOW), cand("b", FAST))]
+    chosen = plan(found, call(), STRICT)
+    asked: list[str] = []
+
+    def due(deployment: str) -> bool:
+        asked.append(deployment)
+        return True
+
+    assert with_exploration(chosen, found, due) is chosen
+    assert asked == []
+    short = [replace(c, prompt_bytes=SHORT) for c in found]
+    assert with_exploration(plan(short, call(), STRICT), short, lambda _: True).explore
+    back = [replace(found[0], explored_s=0.4), found[1]]
+    assert ids(plan(back, call(), STRICT).candidates) == ["b", "a"]
+    back_short = [replace(c, prompt_bytes=SHORT) for c in back]
+    assert ids(plan(back_short, call(), STRICT).candidates) == ["a", "b"]
 
 
 def test_explorations_that_all_answered_in_time_bring_a_deployment_back() -> None:

@@ -64,6 +64,15 @@ class Candidate:
                 return sized / 1000.0
         return _trusted(stats.ttft if stats else None, level, self._prior("ttft_ms"))
 
+    def ttft_seen_s(self, level: Level) -> float | None:
+        """A TTFT quantile of a few samples (`BAND_EVIDENCE`), too few to trust for a budget's
+        verdict: what a rescue may count on from a deployment that serves little."""
+        stats = self.stats
+        if stats is None or stats.ttft.count < BAND_EVIDENCE:
+            return None
+        value: float | None = getattr(stats.ttft, level)
+        return None if value is None else value / 1000.0
+
     def predicted_total_s(
         self, max_tokens: int | None, *, ttft_at_most_s: float | None = None
     ) -> float | None:

@@ -50,6 +50,10 @@ UNKNOWN_SHARE = 0.5
 gone."""
 HEDGE_LEVEL: Literal["p90"] = "p90"
 """The successor's TTFT quantile a hedge is timed by: a hedge wins on the typical case."""
+EXPLORE_MAX_BYTES = 4096
+"""Explorations are made with requests of at most this many bytes (~1k prompt tokens): one of
+the two attempts is thrown away, so the prompt it prefilled should be short; what they measure
+speaks for prompts of that size only."""
 TOTAL_HEADROOM = 0.9
 """A candidate fits a total budget when its predicted total is within 90% of it: the prediction
 is a p99 from a sketch (2% error) over a window that lags drift, and a stream that overruns is
@@ -213,9 +217,12 @@ def explore_point(remaining_s: float, successor: Candidate | None) -> float | No
 
 
 def _typical_s(candidate: Candidate) -> float | None:
-    """What a hedge can count on from `candidate`: its p90 TTFT, else its p99 or the configured
-    prior (a stand-in on the slow side), else unknown."""
+    """What a hedge can count on from `candidate`: its p90 TTFT, trusted or seen in a few
+    samples (a fallback that serves little is still known to be fast), else its p99 or the
+    configured prior (a stand-in on the slow side), else unknown."""
     typical = candidate.ttft_quantile_s(HEDGE_LEVEL)
+    if typical is None:
+        typical = candidate.ttft_seen_s(HEDGE_LEVEL)
     return typical if typical is not None else candidate.ttft_p99_s
 
 
@@ -253,8 +260,8 @@ def hedge_point(
         # Early enough for the successor's tail to land as well, but no earlier: a hedge
         # started while the attempt is only slower than usual mostly loses to it, and one of
         # the two prefills is thrown away.
-        tail = successor.ttft_p99_s
-        safe = soon if tail is None else remaining_s - tail * SUCCESSOR_MARGIN
+        tail = successor.ttft_p99_s or typical  # no tail known: none to wait for
+        safe = remaining_s - tail * SUCCESSOR_MARGIN
         return min(at, max(soon, safe))
     return at
 
@@ -433,8 +440,9 @@ def recovered(
     enough samples there to judge): it was routed away and is better now. The full window would
     hold the bad spell for its whole length; the recent view lets traffic return in seconds."""
     explored = candidate.explored_s
-    if explored is not None and budget.ttft_s is not None and explored <= budget.ttft_s:
-        return True  # its latest explorations all answered within the budget
+    short = candidate.prompt_bytes is None or candidate.prompt_bytes <= EXPLORE_MAX_BYTES
+    if explored is not None and short and budget.ttft_s is not None and explored <= budget.ttft_s:
+        return True  # its latest explorations (short prompts) all answered within the budget
     recent = candidate.recent
     if recent is None or not recent.trusted:
         return False
@@ -460,6 +468,8 @@ def with_exploration(chosen: Plan, found: Sequence[Candidate], due: Callable[[st
         return chosen  # its load is read from the server itself: exploring would only add to it
     if preferred.recent is not None and preferred.recent.trusted:
         return chosen  # it still gets traffic (other requests fit it): its samples are fresh
+    if preferred.prompt_bytes is not None and preferred.prompt_bytes > EXPLORE_MAX_BYTES:
+        return chosen  # one of the two prefills is thrown away: explore with a short prompt
     if not due(preferred.id):
         return chosen
     rest = [c for c in chosen.candidates if c is not preferred]
