@@ -92,6 +92,7 @@ class Proxy:
             guards=services.guards,
             inflight=services.latency,
             trace=outcome.trace,
+            predictor=services.predictor,
         )
         try:
             await self._serve(send, ledger)
@@ -357,7 +358,8 @@ def _cut(opened: Opened | None, error: GatewayError, wire: Wire) -> bytes:
 
 
 def _observe(services: Services, decision: Decision, opened: Opened) -> None:
-    """What the committed first token teaches bulk admission and the queue predictor."""
+    """What the committed first token teaches bulk admission (the queue predictor learns in
+    the `Ledger`, which also sees the attempts cut before theirs)."""
     call, budget = decision.call, decision.budget
     first = opened.tally.first_token_at
     if first is None or not call.stream:
@@ -367,13 +369,6 @@ def _observe(services: Services, decision: Decision, opened: Opened) -> None:
         # Bulk admission on this deployment follows how interactive first tokens fare.
         ttft = first - budget.arrived
         services.gate.observe(opened.candidate.id, ttft, budget.ttft_s, band)
-    if opened.candidate.queue is not None:
-        services.predictor.observe(
-            opened.candidate.id,
-            band,
-            opened.candidate.queue,
-            first - opened.started,
-        )
 
 
 def _head(

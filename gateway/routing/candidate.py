@@ -35,6 +35,9 @@ class Candidate:
     # the queue it was predicted from (see gateway/routing/predict.py).
     predicted_ttft_s: float | None = None
     queue: float | None = None
+    # The prediction is from this replica's in-flight attempts against the deployment's learned
+    # knee (a provider without a load scrape), not from a server's own queue.
+    from_inflight: bool = False
     prompt_bytes: int | None = None  # this request's body size: its TTFT is read for that size
     recent: TargetStats | None = None  # the last few seconds only (see `Snapshot.recent`)
     explored_s: float | None = None  # the slowest TTFT of its latest explorations, if fresh

@@ -25,6 +25,7 @@ from gateway.routing.plan import (
     Candidate,
     Plan,
     baseline_p50_ms,
+    by_inflight,
     by_prediction,
     candidates,
     plan,
@@ -88,6 +89,8 @@ def decide(
     if routes.servers:
         found = with_measured_tpot(found, routes.servers)
         found = by_prediction(found, predictions(routes, found, call))
+    # Providers without a load scrape: their queue is inferred from this replica's in-flight.
+    found = by_inflight(found, inflight_predictions(routes, found, call))
     # The server that holds this prompt's prefix in its cache leads, within its load bound.
     steering = routes.affinity.steer(found, call, routes.servers, routes.latency.inflight)
     found = steering.found
@@ -175,6 +178,32 @@ def predictions(
         )
         if predicted is not None:
             out[candidate.id] = (predicted, queue)
+    return out
+
+
+def inflight_predictions(
+    routes: Routes, found: Sequence[Candidate], call: Call
+) -> dict[str, tuple[float, float]]:
+    """Predicted TTFT (and the queue it assumes) of each candidate without a load scrape that a
+    request sent now would queue at: this replica's in-flight attempts on it are at or above
+    its learned knee (`TTFTPredictor.predict_inflight`). Below the knee, or with none learned,
+    a candidate gets no prediction and its latency statistics judge it."""
+    out: dict[str, tuple[float, float]] = {}
+    band: str | None = None
+    for candidate in found:
+        if candidate.deployment.provider in routes.servers:
+            continue  # a vLLM server: its scrape says more than the in-flight count
+        if band is None:
+            band = prompt_band(len(call.raw))
+        stats = candidate.stats
+        predicted = routes.predictor.predict_inflight(
+            candidate.id,
+            band,
+            routes.latency.inflight(candidate.id),
+            total_p50_s=_finite_s(stats.total.p50) if stats else None,
+        )
+        if predicted is not None:
+            out[candidate.id] = predicted
     return out
 
 

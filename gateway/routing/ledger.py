@@ -5,6 +5,7 @@ probe, a rescue slot (a hedge or a deadline failover) and, for a failover after 
 retry-budget token. `Ledger` begins every attempt of a request and closes each one once, whatever
 ended it: the attempts that do not win as the race ends them, the committed one when the
 response is done. Closing records the attempt's sample, ends its span and gives back its claims.
+Each first token, and each attempt cut without one, also teaches the TTFT predictor.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gateway.providers.base import UpstreamStream
 from gateway.providers.request import Prepared, prepare
 from gateway.routing.guards import Guards
 from gateway.routing.plan import Budget, Candidate, Route
+from gateway.routing.predict import TTFTPredictor, prompt_band
 from gateway.semconv import OPERATIONS
 
 MAX_FINISH_REASONS = 16  # kept per stream (an upstream may repeat one on every event)
@@ -61,6 +63,8 @@ class InflightTracker(Protocol):
 
     def finished(self, deployment: str, model: str | None = None) -> None: ...
 
+    def inflight(self, tag: str) -> int: ...
+
 
 @dataclass(slots=True)
 class Attempt:
@@ -74,6 +78,7 @@ class Attempt:
     outcome: str = "open"
     hedge: bool = False
     span: Any = None  # its trace span, when tracing is on
+    inflight: int | None = None  # this replica's other attempts on its deployment when sent
 
 
 @dataclass(slots=True)
@@ -219,6 +224,7 @@ class Ledger:
         "headers",
         "inflight",
         "opened",
+        "predictor",
         "recorder",
         "retries",
         "trace",
@@ -235,6 +241,7 @@ class Ledger:
         guards: Guards,
         inflight: InflightTracker | None = None,
         trace: AttemptTracer | None = None,
+        predictor: TTFTPredictor | None = None,
     ) -> None:
         self.call = call
         self.budget = budget
@@ -243,6 +250,7 @@ class Ledger:
         self.guards = guards
         self.inflight = inflight
         self.trace = trace
+        self.predictor = predictor
         self.claimed: list[Live] = []  # every attempt begun, closed or not
         self.attempts: list[Attempt] = []  # those sent upstream, in start order
         self.retries = 0  # retry-budget tokens held
@@ -286,6 +294,7 @@ class Ledger:
             trace.capture_prompt(attempt.span, self.call.body)
         self.attempts.append(attempt)
         if self.inflight is not None:
+            attempt.inflight = self.inflight.inflight(candidate.id)
             self.inflight.started(candidate.id, candidate.model)
             claims.counted = True
         claims.rescue_for = rescue_for
@@ -315,6 +324,8 @@ class Ledger:
         opened.route = live.why
         opened.hedge_for = live.claims.rescue_for
         first = opened.tally.first_token_at
+        if first is not None:
+            _teach(self.predictor, self.call, live, first - live.attempt.started)
         if live.explore and first is not None:  # the explored one answered first
             self.guards.explorer.observed(live.candidate.id, first - live.attempt.started)
         if live.attempt.hedge:
@@ -352,6 +363,9 @@ class Ledger:
                     ttft_over = elapsed
                 elif ttft_s is None:
                     total_over = elapsed
+                if ttft_s is not None or ttft_over is not None:
+                    seen = ttft_s if ttft_s is not None else elapsed
+                    _teach(self.predictor, self.call, live, seen, censored=ttft_s is None)
             if error is not None:
                 self.recorder.record(
                     Sample(
@@ -452,6 +466,28 @@ def _body_sample(call: Call, opened: Opened) -> Sample:
             len(call.raw), tally.usage.input_tokens, tally.usage.cached_tokens
         ),
     )
+
+
+def _teach(
+    predictor: TTFTPredictor | None,
+    call: Call,
+    live: Live,
+    ttft_s: float,
+    *,
+    censored: bool = False,
+) -> None:
+    """A streamed attempt's TTFT (`censored`: cut this long after it was sent, without
+    one) for the predictor: against the queue its vLLM server's scrape showed, else against
+    this replica's in-flight count on the deployment when it was sent (its knee)."""
+    candidate = live.candidate
+    if predictor is None or not call.stream:
+        return
+    band = prompt_band(len(call.raw))
+    if candidate.queue is not None and not candidate.from_inflight:
+        if not censored:  # what the vLLM fit learns from: first tokens only
+            predictor.observe(candidate.id, band, candidate.queue, ttft_s)
+    elif live.attempt.inflight is not None:
+        predictor.observe_sent(candidate.id, band, live.attempt.inflight, ttft_s, censored=censored)
 
 
 def _stream_sample(call: Call, opened: Opened, *, ok: bool, error: str | None, cut: bool) -> Sample:

@@ -196,6 +196,36 @@ def by_prediction(
     return out
 
 
+def by_inflight(
+    found: Sequence[Candidate], predictions: Mapping[str, tuple[float, float]]
+) -> list[Candidate]:
+    """Attach the TTFTs predicted from in-flight counts (deployment id -> (predicted seconds,
+    queue): deployments without a load scrape, above their knee) and move each such candidate
+    after the siblings of its model expected to answer sooner (their prediction, else their
+    median TTFT for this prompt; unknown counts as sooner). The others keep their order."""
+    if not predictions:
+        return list(found)
+    out = list(found)
+    for candidate in found:
+        known = predictions.get(candidate.id)
+        if known is None:
+            continue
+        loaded = replace(candidate, predicted_ttft_s=known[0], queue=known[1], from_inflight=True)
+        at = next(i for i, c in enumerate(out) if c is candidate)
+        del out[at]
+        for index in range(at, len(out)):  # only ever later: after the last sibling sooner
+            other = out[index]
+            if other.model == candidate.model and _sooner(other, known[0]):
+                at = index + 1
+        out.insert(at, loaded)
+    return out
+
+
+def _sooner(other: Candidate, predicted_s: float) -> bool:
+    expected = other.ttft_quantile_s("p50")
+    return expected is None or expected < predicted_s
+
+
 def deadline(remaining_s: float, successor: Candidate | None) -> float | None:
     """How long an attempt may wait for its first token before `successor` replaces it: what
     remains once the successor's padded p99 TTFT is set aside. None when a failover cannot help:
@@ -464,8 +494,9 @@ def with_exploration(chosen: Plan, found: Sequence[Candidate], due: Callable[[st
     preferred = next((c for c in found if c in chosen.candidates), None)
     if preferred is None or preferred is chosen.candidates[0]:
         return chosen
-    if preferred.predicted_ttft_s is not None:
+    if preferred.predicted_ttft_s is not None and not preferred.from_inflight:
         return chosen  # its load is read from the server itself: exploring would only add to it
+    # A knee learned from in-flight counts is explored like a latency: it may be stale.
     if preferred.recent is not None and preferred.recent.trusted:
         return chosen  # it still gets traffic (other requests fit it): its samples are fresh
     if preferred.prompt_bytes is not None and preferred.prompt_bytes > EXPLORE_MAX_BYTES:

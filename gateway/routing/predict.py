@@ -19,12 +19,22 @@ request starts when one of those finishes). A fit that no new observation has re
 `HALF_LIFE_S`): a base learned under congestion would otherwise keep an idle server out for
 good, since only traffic sent to it could correct it. With neither the queue (metrics unknown)
 nor any latency to go on, there is no prediction and routing uses the latency statistics alone.
+
+A deployment without a load scrape (an OpenAI-type or Anthropic-type provider) has no queue to
+read, so its queue is inferred from this replica's own in-flight attempts on it (`_Knee`): every
+attempt's TTFT is kept by the in-flight count it was sent with, and the knee is the in-flight
+count from which the median TTFT leaves the unloaded base (more than `SLOW_FACTOR` times it):
+the provider's slots, as seen from here. A request sent with `n` in flight joins a queue of
+`n + 1 - slots`; that queue feeds the same fit as a vLLM server's (its `cost` defaults to the
+deployment's p50 total time divided by its slots). Below the knee, or before one is learned,
+there is no prediction and the latency statistics decide. A cut attempt (a deadline, a hedge
+that won) is a censored TTFT: past the slow threshold it still shows the level is queued.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 DECAY = 0.98  # per observation: about the last 50 observations count
@@ -38,6 +48,18 @@ STAND_IN_SLOTS = 8.0
 if more): few, so that a burst spreads over idle servers early rather than late. Most servers'
 real limit (vLLM's `max_num_seqs`, 256 by default, or its KV cache) is higher, and is learned
 once a scrape shows the server full."""
+
+
+LEVEL_KEEP = 7  # TTFTs kept per in-flight level: the median of the latest judges the level
+LEVEL_EVIDENCE = 3  # TTFTs at a level before its median counts
+SLOW_FACTOR = 2.0
+"""A level is queued when its median TTFT is over this times the unloaded base: a request that
+waits for a slot waits about a stream's length over the slots, mostly well over its own TTFT."""
+KNEE_STALE_S = 60.0
+"""A knee whose queued level has not been seen again for this long is forgotten (the provider
+may have grown): traffic then piles on until it is seen again."""
+MOST_LEVELS = 1024  # in-flight counts beyond this are counted as this (a bound on memory)
+BANDS = ("short", "long")
 
 
 def prompt_band(body_bytes: int) -> str:
@@ -100,6 +122,71 @@ class _Fit:
 
 
 @dataclass(slots=True)
+class _Level:
+    """The latest TTFTs (a ring of `LEVEL_KEEP`) of attempts sent at one in-flight count."""
+
+    ttfts: list[float]
+    next: int = 0
+    median: float = 0.0
+    observed_at: float = 0.0
+
+    def add(self, ttft_s: float, now: float) -> None:
+        if len(self.ttfts) < LEVEL_KEEP:
+            self.ttfts.append(ttft_s)
+        else:
+            self.ttfts[self.next] = ttft_s
+            self.next = (self.next + 1) % LEVEL_KEEP
+        self.median = sorted(self.ttfts)[len(self.ttfts) // 2]
+        self.observed_at = now
+
+
+@dataclass(slots=True)
+class _Knee:
+    """A deployment's TTFT by this replica's in-flight count when the attempt was sent, for one
+    prompt band: the unloaded base, and the slots (the first count whose TTFTs are queued)."""
+
+    levels: dict[int, _Level]
+    base_s: float | None = None  # median TTFT at the lowest in-flight count with evidence
+    slots: int | None = None
+    queued_at: float = 0.0  # when the queued level was last seen
+    queued_s: float = 0.0  # its median TTFT: the base plus the wait for the first slot to free
+
+    def add(self, inflight: int, ttft_s: float, now: float, *, censored: bool) -> None:
+        """One attempt's TTFT; `censored`: it was cut this long after it was sent, with no
+        first token. That says "queued" only when past the slow threshold, else nothing."""
+        if censored and (self.base_s is None or ttft_s <= self.base_s * SLOW_FACTOR):
+            return
+        count = min(inflight, MOST_LEVELS)
+        level = self.levels.get(count)
+        if level is None:
+            level = self.levels[count] = _Level([])
+        level.add(ttft_s, now)
+        if self.slots is None or count <= self.slots:
+            self._judge(now)  # levels above the knee do not move it
+
+    def _judge(self, now: float) -> None:
+        """Base and knee again, from the levels with evidence (fresh ones only), lowest first:
+        the knee is the first count whose median TTFT is over `SLOW_FACTOR` times the base."""
+        base = slots = None
+        for count in sorted(self.levels):
+            level = self.levels[count]
+            if len(level.ttfts) < LEVEL_EVIDENCE or now - level.observed_at > KNEE_STALE_S:
+                continue
+            if base is None:
+                base = level.median
+            elif level.median > base * SLOW_FACTOR:
+                slots, self.queued_at, self.queued_s = count, level.observed_at, level.median
+                break
+        self.base_s, self.slots = base, slots
+
+    def knee(self, now: float) -> int | None:
+        """The slots, while the level that showed them is fresh."""
+        if self.slots is not None and now - self.queued_at > KNEE_STALE_S:
+            self.slots = None
+        return self.slots
+
+
+@dataclass(slots=True)
 class _Seen:
     """Per deployment: the latest scrape, this replica's in-flight count when it was first
     read, and the most requests the server was ever seen running (a floor for its slots)."""
@@ -116,6 +203,7 @@ class TTFTPredictor:
         self._clock = clock
         self._fits: dict[tuple[str, str], _Fit] = {}
         self._seen: dict[str, _Seen] = {}
+        self._knees: dict[tuple[str, str], _Knee] = {}
 
     def observe(self, deployment: str, band: str, waiting: float, ttft_s: float) -> None:
         """A first token from `deployment`, sent when the server had `waiting` queued."""
@@ -124,6 +212,67 @@ class TTFTPredictor:
         if fit is None:
             fit = self._fits[key] = _Fit()
         fit.add(waiting, ttft_s, self._clock())
+
+    def observe_sent(
+        self, deployment: str, band: str, inflight: int, ttft_s: float, *, censored: bool = False
+    ) -> None:
+        """An attempt on a deployment without a load scrape, sent while this replica had
+        `inflight` others on it: its TTFT, or (`censored`) how long it ran without one before it
+        was cut. Its queue (against the knee known when it lands) feeds the deployment's fit;
+        a fit counted against another knee is dropped."""
+        key = (deployment, band)
+        knee = self._knees.get(key)
+        if knee is None:
+            knee = self._knees[key] = _Knee({})
+        now = self._clock()
+        slots = knee.knee(now)
+        if slots is not None and not censored:
+            self.observe(deployment, band, max(0, inflight + 1 - slots), ttft_s)
+        knee.add(inflight, ttft_s, now, censored=censored)
+        if knee.slots != slots:
+            self._fits.pop(key, None)
+
+    def predict_inflight(
+        self, deployment: str, band: str, inflight: int, *, total_p50_s: float | None
+    ) -> tuple[float, float] | None:
+        """(expected TTFT, queue) of a request sent now to a deployment without a load scrape,
+        with `inflight` of this replica's attempts on it; None below its knee (the request
+        would not queue) or while no knee is known. Several dict reads: the hot path."""
+        if not self._knees:
+            return None
+        now = self._clock()
+        slots = found = None
+        for knee in self._knees_of(deployment, band):
+            slots = knee.knee(now)
+            if slots is not None:
+                found = knee
+                break
+        if found is None or slots is None or inflight + 1 <= slots:
+            return None
+        base = found.base_s
+        own = self._knees.get((deployment, band))
+        if own is not None and own.base_s is not None:
+            base = own.base_s  # the knee is the provider's; the base is this prompt size's
+        queue = float(inflight + 1 - slots)
+        # A slot frees about every total / slots; without a total, what the first queued level
+        # was seen to wait stands in.
+        waited = found.queued_s - (found.base_s or 0.0)
+        predicted = self.predict(
+            deployment,
+            band,
+            waiting=queue,
+            running=float(slots),
+            ttft_p50_s=base,
+            total_p50_s=total_p50_s if total_p50_s is not None else waited * slots,
+        )
+        return None if predicted is None else (predicted, queue)
+
+    def _knees_of(self, deployment: str, band: str) -> Iterator[_Knee]:
+        """The band's own knee first, then the other band's (the slots are the provider's)."""
+        for key in ((deployment, band), *((deployment, b) for b in BANDS if b != band)):
+            knee = self._knees.get(key)
+            if knee is not None:
+                yield knee
 
     def queued(
         self,
@@ -200,4 +349,13 @@ class TTFTPredictor:
                 "base_ms": round(line[0] * 1000, 3) if line else None,
                 "per_waiting_ms": round(line[1] * 1000, 3) if line else None,
             }
+        now = self._clock()
+        for (deployment, band), knee in self._knees.items():
+            entry = out.setdefault(
+                f"{deployment}/{band}",
+                {"observations": 0.0, "base_ms": None, "per_waiting_ms": None},
+            )
+            slots = knee.knee(now)
+            entry["slots"] = float(slots) if slots is not None else None
+            entry["unloaded_ms"] = round(knee.base_s * 1000, 3) if knee.base_s else None
         return out
