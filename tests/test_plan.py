@@ -536,6 +536,18 @@ def test_hedge_point_is_as_early_as_the_successors_tail_needs_when_the_budget_is
     assert hedge_point(1.0, a, heavy) == pytest.approx(0.4)
 
 
+def test_an_attempt_that_is_long_not_late_is_not_hedged() -> None:
+    """A long prompt whose typical first token (p50 0.7 s) comes after the latest hedge point
+    but before a hedge started then would land is not hedged: the hedge would mostly lose, its
+    prefill thrown away. A short prompt on the same deployment, late by then, is."""
+    long_prompt = cand("a", MetricStats(700.0, 760.0, 800.0, 900.0, 100, True))
+    successor = cand("b", MetricStats(360.0, 360.0, 360.0, 360.0, 100, True))
+    assert hedge_point(1.0, long_prompt, successor) == pytest.approx(1.0 - 0.396)
+    assert rescue_point(1.0, long_prompt, successor, hedge=True) is None
+    short = cand("a", MetricStats(180.0, 250.0, 300.0, 900.0, 100, True))
+    assert rescue_point(1.0, short, successor, hedge=True) == pytest.approx(1.0 - 0.396)
+
+
 def test_hedge_point_is_the_deadline_when_the_budget_is_not_tight() -> None:
     """p99 plus a failover fits: hedge at the deadline, not at the earlier p95."""
     a = cand("a", metric(500.0, p95=400.0))  # 0.5 + 0.33 = 0.83 <= 1.0

@@ -299,9 +299,10 @@ def hedge_point(
 def lands_first(candidate: Candidate, wait_s: float, successor: Candidate) -> bool:
     """Whether an attempt still waiting at `wait_s` is expected to answer before a successor
     started then would: its typical TTFT for this prompt lies beyond the wait (it is not late,
-    only long) and before the successor's typical landing. Such an attempt is never cut."""
-    own = candidate.ttft_quantile_s("p50")
-    theirs = successor.ttft_quantile_s("p50")
+    only long) and before the successor's typical landing. Such an attempt is never cut, nor
+    hedged."""
+    own = candidate.ttft_quantile_s("p50") or candidate.ttft_seen_s("p50")
+    theirs = successor.ttft_quantile_s("p50") or successor.ttft_seen_s("p50")
     if own is None or theirs is None or math.isinf(own):
         return False
     return wait_s < own <= wait_s + theirs
@@ -323,7 +324,9 @@ def rescue_point(
         # Hedging from the attempt's p90 would spend a 10% cap on fast requests as well as on
         # the slow ones it exists for: p90 only when the cap leaves room for both.
         early: Level = "p90" if share >= 0.20 else "p95"
-        return hedge_point(remaining_s, candidate, successor, early=early)
+        at = hedge_point(remaining_s, candidate, successor, early=early)
+        # A hedge that would typically land after the attempt is a second prefill thrown away.
+        return None if at is not None and lands_first(candidate, at, successor) else at
     at = deadline(remaining_s, successor)
     if at is None:
         return explore_point(remaining_s, successor)
