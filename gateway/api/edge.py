@@ -45,6 +45,7 @@ LLM_ROUTES: dict[str, Endpoint] = {
 }
 # With keys configured: /v1/* needs a client key, the rest of these an admin key.
 _GUARDED_PREFIXES = ("/v1/", "/admin/", "/dashboard")
+REQUESTED_CHARS = 256  # of a requested model name kept for the access log (a name may be huge)
 _CONTEXT = "tailguard.context"  # the scope key of a framework-served request's context
 
 
@@ -58,6 +59,7 @@ class RequestContext:
     path: str
     principal: Principal | None = None  # the key it came with (when keys are configured)
     model: str = ""  # the configured model it names, once known
+    requested: str = ""  # the name it asked for, known or not (cut): what the access log shows
 
 
 def context_of(scope: Scope) -> RequestContext:
@@ -146,6 +148,7 @@ async def serve_llm(
             # charge: the key pays for what is sent upstream.
             call, ticket = await admit(runtime, ctx.principal, scope, receive, endpoint)
             services = runtime.services  # after the last await: the request keeps these
+            ctx.requested = call.model[:REQUESTED_CHARS]
             spec = model_of(services, call, ctx.principal)
             ctx.model = spec.name
             decision = resolve(

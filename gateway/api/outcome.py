@@ -137,7 +137,7 @@ def _refused(outcome: RequestOutcome) -> None:
                 "request_id": ctx.request_id,
                 "trace_id": trace_id,
                 "path": ctx.path,
-                "model": model,
+                "model": model or ctx.requested,  # an unknown name too: what was asked for
                 "key": ctx.principal.name if ctx.principal is not None else None,
                 "status": status,
                 "error": error_type,
