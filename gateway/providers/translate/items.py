@@ -381,7 +381,7 @@ def response_shell(request: Mapping[str, Any], response_id: str, model: str) -> 
         "previous_response_id": request.get("previous_response_id"),
         "reasoning": {
             "effort": reasoning.get("effort") if isinstance(reasoning, dict) else None,
-            "summary": None,
+            "summary": _string(reasoning.get("summary")) if isinstance(reasoning, dict) else None,
         },
         "store": request.get("store", True) is not False,
         "temperature": _number(request.get("temperature"), 1.0),
