@@ -276,7 +276,10 @@ def test_the_trace_figures_count_attainment_shares_waste_and_recovery() -> None:
         trace_outcome(2, 2.0, ttft_s=0.3, total_s=9.0, deployment="p/large"),
         trace_outcome(3, 3.0, error="status 503"),
     ]
-    attempts = [("p/large", 100, True)] * 3 + [("f/small", 100, True), ("p/large", 100, False)]
+    attempts = [("p/large", 100, True, True)] * 3 + [
+        ("f/small", 100, True, True),
+        ("p/large", 100, False, False),  # cancelled before its first token
+    ]
     model_of = {"p/large": "chat", "f/small": "chat-fast"}
     r = summarize(outcomes, attempts, model_of, 1.0, 8.0, incident_end=None)
     assert r["attainment"] == 0.25 and r["errors"] == 1
@@ -284,6 +287,9 @@ def test_the_trace_figures_count_attainment_shares_waste_and_recovery() -> None:
     assert r["served_by_model"] == {"chat": 0.5, "chat-fast": 0.25}
     assert r["extra_upstream_requests"] == 0.25
     assert r["wasted_prompt_tokens"] == 0.25
+    assert r["wasted_by_deployment"] == {
+        "p/large": {"attempts": 1, "answered": 0, "prompt_tokens": 100}
+    }
     assert r["ttft_ms"]["p50"] == 300.0 and r["ttft_ms"]["p99"] is None  # the error ranks last
     assert r["recovery_s"] is None
     assert "| configured | 25.0% | 1 | 300 / - / - |" in trace_table("s", {"configured": r})
