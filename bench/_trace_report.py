@@ -132,7 +132,11 @@ def summarize(
 
 
 def paired_overhead(direct: Sequence[Outcome], gateway: Sequence[Outcome]) -> dict[str, Any]:
-    """Per request answered by both: gateway minus direct, TTFT and total, in ms percentiles."""
+    """Per request answered by both: gateway minus direct, TTFT and total, in ms percentiles.
+
+    Each side counts from its own send, not from the scheduled time: the client sends the arms'
+    copies one after another, so the later arm's wait for the earlier ones' sends (up to a few
+    ms while the client is busy) is the client's, not the gateway's."""
     by_index = {o.index: o for o in direct if o.error is None and o.ttft_s is not None}
     ttft: list[float] = []
     total: list[float] = []
@@ -140,9 +144,11 @@ def paired_overhead(direct: Sequence[Outcome], gateway: Sequence[Outcome]) -> di
         d = by_index.get(o.index)
         if d is None or o.error is not None or o.ttft_s is None or d.ttft_s is None:
             continue
-        ttft.append(o.ttft_s - d.ttft_s)
+        # The send's offset from the origin both figures count from (never negative).
+        skew = max(o.lag_s, 0.0) - max(d.lag_s, 0.0)
+        ttft.append(o.ttft_s - d.ttft_s - skew)
         if o.total_s is not None and d.total_s is not None:
-            total.append(o.total_s - d.total_s)
+            total.append(o.total_s - d.total_s - skew)
     # Differences can be negative: percentiles of the signed values, not of their sizes.
     return {"pairs": len(ttft), "ttft_ms": percentiles_ms(ttft), "total_ms": percentiles_ms(total)}
 

@@ -6,7 +6,8 @@ conversation; seeded) unless `--trace PATH` names the real CSV (`TIMESTAMP, Cont
 GeneratedTokens`). Every request is streamed, `max_tokens` = its output length, prompts of
 ~4 characters per token. Four arms run at once, each on its own copies of the upstreams
 (`bench/_trace_upstream.py`, in this process; the same seeds, so every arm draws the same
-latencies for the same request):
+latencies for the same request; `plain` and `configured` are sent a few ms after the pair, see
+`STAGGER_S`):
 
 - `direct`: the client straight to the primary (the reference for the paired overhead);
 - `plain`: `bench/_refproxy.py`, a bare forwarding proxy, to the primary;
@@ -25,16 +26,18 @@ with `--duration`): `steady`; `drift` (the primary 4x slower from 60 s to 120 s)
 
 `--quick`: one 40 s scenario (steady unless `--scenarios` says). Results: a Markdown table per
 scenario, and `bench/results/trace-<timestamp>.json`. The figures are the client's, measured
-from each request's scheduled time.
+from each request's scheduled time; the paired overhead, from each copy's own send.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -72,6 +75,12 @@ TTFT_BUDGET_MS: Final = 1000
 TOTAL_BUDGET_MS: Final = 8000
 HEDGE_MAX_FRACTION: Final = 0.10
 REQUEST_TIMEOUT_S: Final = 60.0
+# Seconds after the trace's time each arm's copy is sent. `direct` and `one` are the pair and go
+# together; the other two follow a few ms later, out of step with the pair: the three proxies
+# share a CPU (`bench/_harness.py`), and copies sent at the same instant reach them at the same
+# instant all along their streams (the same draws), so `one` would queue behind the others' work
+# on its first token and on every event after it.
+STAGGER_S: Final = {"plain": 0.009, "configured": 0.017}
 
 PRIMARY: Final = LatencyModel("large", 150, 40, 6.5, slots=64, stall_rate=0.04)
 SECOND: Final = LatencyModel(
@@ -147,6 +156,8 @@ class Arm:
 async def one_request(
     session: aiohttp.ClientSession, arm: Arm, index: int, row: TraceRow, body: bytes, due: float
 ) -> None:
+    if due > time.perf_counter():  # a staggered arm
+        await asyncio.sleep(due - time.perf_counter())
     started = time.perf_counter()
     origin = min(due, started)
     outcome = report.Outcome(index, row.t, (len(body) + 3) // 4, lag_s=started - due)
@@ -195,18 +206,37 @@ async def replay(
     bodies = [request_body(i, row) for i, row in enumerate(rows)]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        start = time.perf_counter() + 0.5
-        tasks: list[asyncio.Task[None]] = []
-        if spec is not None:
-            tasks.append(asyncio.create_task(incident(arms, start, spec)))
-        for i, row in enumerate(rows):
-            due = start + row.t
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            for arm in arms:
-                task = one_request(session, arm, i, row, bodies[i][0], due)
-                tasks.append(asyncio.create_task(task))
-        await asyncio.gather(*tasks)
+    with quiet_gc():
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            start = time.perf_counter() + 0.5
+            tasks: list[asyncio.Task[None]] = []
+            if spec is not None:
+                tasks.append(asyncio.create_task(incident(arms, start, spec)))
+            for i, row in enumerate(rows):
+                due = start + row.t
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                for arm in arms:
+                    at = due + STAGGER_S.get(arm.name, 0.0)
+                    task = one_request(session, arm, i, row, bodies[i][0], at)
+                    tasks.append(asyncio.create_task(task))
+            await asyncio.gather(*tasks)
+
+
+@contextlib.contextmanager
+def quiet_gc() -> Iterator[None]:
+    """The collector as the gateway runs it (`gateway.api.tune_gc`), for the replay. The client
+    and every upstream share this process's one event loop: with the default thresholds a full
+    collection over the trace's bodies and the results pauses it for 40-90 ms, and a pause that
+    falls between the direct copy's event and the gateway copy's lands on one arm only."""
+    previous = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
+        gc.unfreeze()
 
 
 async def run_scenario(
