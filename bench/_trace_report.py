@@ -185,10 +185,12 @@ def table(scenario: str, arms: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def overhead_line(paired: Mapping[str, Any]) -> str:
+def overhead_line(paired: Mapping[str, Any], *, alone: bool = False) -> str:
     ttft, total = paired["ttft_ms"], paired["total_ms"]
+    when = "the pair alone" if alone else "all four arms running"
     return (
-        f"paired overhead, Tailguard one deployment vs direct ({paired['pairs']} pairs): "
+        f"paired overhead, Tailguard one deployment vs direct ({paired['pairs']} pairs, "
+        f"{when}): "
         f"TTFT {_signed(ttft.get('p50'))} / {_signed(ttft.get('p90'))} / "
         f"{_signed(ttft.get('p99'))} ms (p50 / p90 / p99), total {_signed(total.get('p50'))} / "
         f"{_signed(total.get('p99'))} ms (p50 / p99)"

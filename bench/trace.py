@@ -71,6 +71,8 @@ INCIDENTS: Final[dict[str, tuple[State, float, float] | None]] = {
 }
 FULL_S: Final = 180.0
 QUICK_S: Final = 40.0
+PAIR_S: Final = 40.0  # the pair pass (direct and one alone), and with --quick
+PAIR_QUICK_S: Final = 20.0
 TTFT_BUDGET_MS: Final = 1000
 TOTAL_BUDGET_MS: Final = 8000
 HEDGE_MAX_FRACTION: Final = 0.10
@@ -240,13 +242,19 @@ def quiet_gc() -> Iterator[None]:
 
 
 async def run_scenario(
-    name: str, rows: Sequence[TraceRow], duration_s: float, seed: int, stack: Stack, logs: Path
+    name: str,
+    rows: Sequence[TraceRow],
+    duration_s: float,
+    seed: int,
+    stack: Stack,
+    logs: Path,
+    arm_names: Sequence[str] = ARMS,
 ) -> dict[str, Any]:
     scale = duration_s / FULL_S
-    raw = INCIDENTS[name]
+    raw = INCIDENTS.get(name)  # "pair": none
     spec = None if raw is None else (raw[0], raw[1] * scale, raw[2] * scale)
     arms: list[Arm] = []
-    for arm_name in ARMS:
+    for arm_name in arm_names:
         upstreams = {
             d: TraceUpstream(DEPLOYMENTS[d][0], seed=seed + i)
             for i, d in enumerate(ARM_DEPLOYMENTS[arm_name])
@@ -299,6 +307,24 @@ async def run_scenario(
     return {"incident": spec, "arms": results, "paired_overhead": paired}
 
 
+def run_pair(
+    rows: Sequence[TraceRow], seconds: float, seed: int, pin: dict[str, list[str]], logs: Path
+) -> dict[str, Any]:
+    """The paired overhead with `direct` and `one` alone: the first `seconds` of the steady
+    trace, so that neither the plain proxy nor the configured gateway takes the CPU from the
+    pair (on a small machine, waiting for a core is most of what four arms add to its tail)."""
+    head = [row for row in rows if row.t < seconds]
+    stack = Stack(logs=logs, pin=pin, cwd=ROOT)
+    try:
+        found = asyncio.run(
+            run_scenario("pair", head, FULL_S, seed, stack, logs, arm_names=("direct", "one"))
+        )
+    finally:
+        stack.stop()
+    paired: dict[str, Any] = found["paired_overhead"]
+    return paired
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--scenarios", default=None, help="comma-separated: steady,drift,outage")
@@ -310,6 +336,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="one 40 s scenario (steady)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument(
+        "--pair-s",
+        type=float,
+        default=None,
+        help="seconds of the steady trace replayed by direct and one alone, for the paired "
+        "overhead without the other arms on the CPU (0: none; default 40, --quick 20)",
+    )
     args = parser.parse_args(argv)
     default = "steady" if args.quick else ",".join(SCENARIOS)
     args.scenarios = parse_modes(parser, args.scenarios or default, SCENARIOS)
@@ -317,6 +350,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.duration = QUICK_S if args.quick else FULL_S
     if not 5.0 <= args.duration <= 900.0:
         parser.error("--duration: 5 to 900 seconds")
+    if args.pair_s is None:
+        args.pair_s = PAIR_QUICK_S if args.quick else PAIR_S
     return args
 
 
@@ -350,6 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(report.table(name, scenarios[name]["arms"]))
             print()
             print(report.overhead_line(scenarios[name]["paired_overhead"]))
+        pair = None
+        if args.pair_s > 0:
+            pair = run_pair(rows, args.pair_s, args.seed, pin, logs)
+            print()
+            print(report.overhead_line(pair, alone=True))
     document = {
         "benchmark": "trace",
         "trace": {"source": source, **shape},
@@ -360,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pinning_warning": warning,
         "environment": environment(),
         "scenarios": scenarios,
+        "paired_overhead_alone": pair,
     }
     write_results(args.out or RESULTS_DIR / f"trace-{stamp}.json", document, logs, args.keep_logs)
     return 0
