@@ -28,6 +28,7 @@ from gateway.batching.gate import Upstream
 from gateway.config import (
     AffinitySpec,
     ConfigError,
+    ModelNames,
     ModelSpec,
     RateLimitSpec,
     Settings,
@@ -82,6 +83,7 @@ class Services:
 
     settings: Settings
     models: dict[str, ModelSpec]  # by name
+    names: ModelNames  # by the name requested: a model's own, or one of its aliases
     chains: dict[str, list[ModelSpec]]  # by name: the model, then its fallbacks, transitively
     providers: dict[str, Provider]
     latency: LatencyStore  # rolling percentiles; read through its snapshot, never awaited
@@ -222,6 +224,7 @@ class Runtime:
         return Services(
             settings=settings,
             models={m.name: m for m in settings.models},
+            names=ModelNames(settings.models),
             chains={m.name: fallback_chain(m, settings) for m in settings.models},
             providers=providers,
             latency=self.latency,
