@@ -83,7 +83,6 @@ class Services:
 
     settings: Settings
     models: dict[str, ModelSpec]  # by name
-    names: ModelNames  # by the name requested: a model's own, or one of its aliases
     chains: dict[str, list[ModelSpec]]  # by name: the model, then its fallbacks, transitively
     providers: dict[str, Provider]
     latency: LatencyStore  # rolling percentiles; read through its snapshot, never awaited
@@ -106,6 +105,11 @@ class Services:
     retired: bool = False  # a reload replaced these services
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # retired and no request left
     _pools: AsyncExitStack = field(default_factory=AsyncExitStack)  # the providers' sessions
+    # By the name requested: a model's own, or one of its aliases (derived from `models`).
+    names: ModelNames = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.names = ModelNames(self.models.values())
 
     def enter(self) -> None:
         self.active += 1
@@ -224,7 +228,6 @@ class Runtime:
         return Services(
             settings=settings,
             models={m.name: m for m in settings.models},
-            names=ModelNames(settings.models),
             chains={m.name: fallback_chain(m, settings) for m in settings.models},
             providers=providers,
             latency=self.latency,
