@@ -58,6 +58,7 @@ class RequestContext:
     path: str
     principal: Principal | None = None  # the key it came with (when keys are configured)
     model: str = ""  # the configured model it names, once known
+    requested: str = ""  # the name it was asked for: `model`, or one of its aliases
 
 
 def context_of(scope: Scope) -> RequestContext:
@@ -146,8 +147,8 @@ async def serve_llm(
             # charge: the key pays for what is sent upstream.
             call, ticket = await admit(runtime, ctx.principal, scope, receive, endpoint)
             services = runtime.services  # after the last await: the request keeps these
-            spec = model_of(services, call, ctx.principal)
-            ctx.model = spec.name
+            spec, call = model_of(services, call, ctx.principal)
+            ctx.model, ctx.requested = spec.name, call.model
             decision = resolve(
                 services, call, spec, scope, request_id=ctx.request_id, arrived=ctx.arrived
             )

@@ -21,8 +21,11 @@ ProviderType = Literal["openai", "vllm", "anthropic", "simulated"]
 Priority = Literal["interactive", "bulk"]
 OnTTFTMiss = Literal["failover", "hedge", "none"]
 OnTotalMiss = Literal["finish", "cut"]
+AnswerModel = Literal["upstream", "requested"]
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+# A model name as clients send it, or a glob pattern of such names (`*`, `?`, `[...]`).
+_ALIAS = r"^[A-Za-z0-9*?\[][A-Za-z0-9_.:/@\-*?\[\]!]{0,255}$"
 
 
 class ConfigError(Exception):
@@ -260,6 +263,16 @@ class ModelSpec(_Spec):
 
     name: Annotated[str, Field(pattern=_NAME)]
     """What clients send as `model`."""
+    aliases: tuple[Annotated[str, Field(pattern=_ALIAS)], ...] = ()
+    """Other names clients may send for it: exact names, or glob patterns (`claude-*`,
+    `gpt-5*`; `*` any characters, `?` one, `[...]` one of a set), as agents send names that
+    change with every release. A configured model name always wins; otherwise the first model,
+    in config order, with a matching alias serves the request. Metrics count it under this
+    model's name; the access log and spans keep the name asked for."""
+    answer_model: AnswerModel = "upstream"
+    """The `model` field of the answer: `upstream` (what the upstream answered with, or the
+    deployment's model when translated) or `requested` (the name the client sent, an alias
+    included)."""
     deployments: Annotated[tuple[DeploymentSpec, ...], Field(min_length=1)]
     """Where it is served, in a weighted random order."""
     budget: BudgetSpec = BudgetSpec()
@@ -292,6 +305,10 @@ class ModelSpec(_Spec):
             raise ValueError("deployments repeat the same provider/model")
         if self.name in self.fallbacks:
             raise ValueError("a model cannot be its own fallback")
+        if self.name in self.aliases:
+            raise ValueError("a model's name cannot also be its alias")
+        if len(set(self.aliases)) != len(self.aliases):
+            raise ValueError("aliases repeat the same name")
         return self
 
 

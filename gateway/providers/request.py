@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -49,6 +50,27 @@ class _Raw:
 
 
 _RAW = _Raw()
+# The first `"model": "..."` of a body or event: a key, since a quote inside a string is escaped.
+_MODEL_FIELD: Final = re.compile(rb'"model":\s*"(?:[^"\\]|\\.)*"')
+
+
+class _Renamed:
+    """An answer forwarded as-is but for its `model` field, which names what the client asked
+    for. Bodies and events put `model` before their content, so the first one is the answer's."""
+
+    __slots__ = ("_field", "_inner")
+
+    def __init__(self, inner: StreamTranslator, name: str) -> None:
+        self._inner = inner
+        self._field = b'"model":' + orjson.dumps(name)
+
+    def feed(self, chunk: Chunk) -> bytes:
+        return self.rename(self._inner.feed(chunk))
+
+    def rename(self, data: bytes) -> bytes:
+        if b'"model"' not in data:
+            return data
+        return _MODEL_FIELD.sub(lambda _: self._field, data, count=1)
 
 
 @dataclass(slots=True)
@@ -93,6 +115,7 @@ def _prepare(
     call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]
 ) -> Prepared:
     stream = call.stream
+    answer = call.answer_model or upstream_model  # the `model` of a translated answer
     # vLLM with priority scheduling serves bulk requests after interactive ones.
     extra: dict[str, Any] = {}
     if call.priority == "bulk" and provider.bulk_priority is not None:
@@ -125,6 +148,9 @@ def _prepare(
         request = UpstreamRequest(
             call.endpoint, body, stream, headers, passthrough=call.wire == "openai"
         )
+        if call.answer_model is not None and call.answer_model != upstream_model:
+            renamed = _Renamed(translator, call.answer_model)
+            return Prepared(request, renamed, lambda chunk: renamed.rename(chunk.raw))
         return Prepared(request, translator, _RAW.feed)  # a body, like an event, is forwarded as-is
 
     if call.wire == "openai":  # OpenAI chat to an Anthropic upstream
@@ -133,24 +159,26 @@ def _prepare(
         request = UpstreamRequest("messages", orjson.dumps(translated), stream, headers)
 
         def to_openai(chunk: Chunk) -> bytes:
-            return anthropic_response_to_openai(chunk.data or {}, model=upstream_model)
+            return anthropic_response_to_openai(chunk.data or {}, model=answer)
 
         return Prepared(
             request,
-            AnthropicToOpenAIStream(model=upstream_model, include_usage=call.include_usage),
+            AnthropicToOpenAIStream(model=answer, include_usage=call.include_usage),
             to_openai,
         )
 
-    # Anthropic Messages to an OpenAI-compatible upstream
-    translated = messages_request_to_openai(call.body)
+    # Anthropic Messages to an OpenAI-compatible upstream. OpenAI's own API takes a prompt
+    # cache key: a byte search finds whether the client marked a prefix to cache.
+    cache_hint = provider.system == "openai" and b'"cache_control"' in call.raw
+    translated = messages_request_to_openai(call.body, cache_hint=cache_hint)
     translated["model"] = upstream_model
     translated.update(extra)
     request = UpstreamRequest("chat", orjson.dumps(translated), stream, headers)
 
     def to_anthropic(chunk: Chunk) -> bytes:
-        return openai_response_to_anthropic(chunk.data or {}, model=upstream_model)
+        return openai_response_to_anthropic(chunk.data or {}, model=answer)
 
-    return Prepared(request, OpenAIToAnthropicStream(model=upstream_model), to_anthropic)
+    return Prepared(request, OpenAIToAnthropicStream(model=answer), to_anthropic)
 
 
 def _prepare_responses(
@@ -174,12 +202,22 @@ def _prepare_responses(
         def forward(chunk: Chunk) -> bytes:
             return native_body(chunk.data, chunk.raw, result)
 
+        if call.answer_model is not None and call.answer_model != upstream_model:
+            renamed = _Renamed(passthrough, call.answer_model)
+            return Prepared(
+                request,
+                renamed,
+                lambda chunk: renamed.rename(forward(chunk)),
+                passthrough.fail,
+                result,
+            )
         return Prepared(request, passthrough, forward, passthrough.fail, result)
 
     chat = responses_request_to_chat(call.body)
     chat["model"] = upstream_model
+    answer = call.answer_model or upstream_model  # the `model` of the Response object
     response_id = new_response_id(stored=call.body.get("store") is not False)
-    events = ResponsesEvents(call.body, response_id, upstream_model, result)
+    events = ResponsesEvents(call.body, response_id, answer, result)
     if provider.wire == "anthropic":
         translated = chat_request_to_anthropic(chat)
         translated["model"] = upstream_model
@@ -187,18 +225,16 @@ def _prepare_responses(
 
         def from_anthropic(chunk: Chunk) -> bytes:
             return anthropic_body_to_response(
-                chunk.data or {}, call.body, response_id, upstream_model, result
+                chunk.data or {}, call.body, response_id, answer, result
             )
 
-        translator: StreamTranslator = AnthropicToResponsesStream(events, upstream_model)
+        translator: StreamTranslator = AnthropicToResponsesStream(events, answer)
         return Prepared(request, translator, from_anthropic, events.fail, result)
 
     chat.update(extra)
     request = UpstreamRequest("chat", orjson.dumps(chat), stream, headers)
 
     def from_chat(chunk: Chunk) -> bytes:
-        return chat_body_to_response(
-            chunk.data or {}, call.body, response_id, upstream_model, result
-        )
+        return chat_body_to_response(chunk.data or {}, call.body, response_id, answer, result)
 
     return Prepared(request, ChatToResponsesStream(events), from_chat, events.fail, result)
