@@ -6,7 +6,8 @@ Its script is one turn of an agent: asked first, it calls the agent's shell tool
 (the tool is found by name among the request's tools: `exec_command`, whose argument is `cmd`,
 or `shell`, whose argument is `command`, a list); once the request carries that call's output,
 it answers `FINAL_TEXT` (as it does a request without tools). `call`, when set, is the (tool
-name, arguments) called instead of the shell. Every request is kept (`requests`: path, lower-cased headers, body)."""
+name, arguments) called instead of the shell. Every request is kept (`requests`: path,
+lower-cased headers, body)."""
 
 from __future__ import annotations
 
