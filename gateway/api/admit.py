@@ -28,6 +28,7 @@ from gateway.errors import (
     quote,
 )
 from gateway.models import Call, Endpoint
+from gateway.providers.request import AGENT_HEADERS
 from gateway.ratelimit import RateLimiter, Verdict
 from gateway.routing import Decision, budget_for, decide
 from gateway.runtime import Runtime, Services
@@ -44,6 +45,7 @@ SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
 PRIORITY_HEADER = "x-tailguard-priority"
 _MAX_BUDGET_MS = 3_600_000
+_AGENT_HEADERS = frozenset(name.encode() for name in AGENT_HEADERS)
 
 
 def authenticate(
@@ -293,6 +295,10 @@ def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
         elif name == b"anthropic-beta":
             # Feature flags of Anthropic's API: only ever sent to Anthropic upstreams.
             found.forward["anthropic-beta"] = value.decode("latin-1")
+        elif name in _AGENT_HEADERS or name.startswith(b"x-codex-"):
+            # A coding agent's session headers: only ever sent to native Responses upstreams
+            # (see `gateway.providers.request.is_agent_header`).
+            found.forward[name.decode("latin-1")] = value.decode("latin-1")
         elif name == b"x-tailguard-ttft-budget-ms":
             found.ttft_budget_ms = _budget(TTFT_BUDGET_HEADER, value)
         elif name == b"x-tailguard-total-budget-ms":

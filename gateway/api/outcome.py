@@ -233,6 +233,10 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
                 "ttft_met": slo.get("ttft"),
                 "total_met": slo.get("total"),
                 "tpot_met": slo.get("tpot"),
+                # Responses tools a translated upstream went without (`unsupported_tools`).
+                "dropped_tools": list(opened.prepared.dropped)
+                if opened is not None and opened.prepared.dropped
+                else None,
             }
         )
 

@@ -22,6 +22,7 @@ Priority = Literal["interactive", "bulk"]
 OnTTFTMiss = Literal["failover", "hedge", "none"]
 OnTotalMiss = Literal["finish", "cut"]
 AnswerModel = Literal["upstream", "requested"]
+UnsupportedTools = Literal["drop", "refuse"]
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 # A model name as clients send it, or a glob pattern of such names (`*`, `?`, `[...]`).
@@ -297,6 +298,13 @@ class ModelSpec(_Spec):
     """`interactive` or `bulk` (the `x-tailguard-priority` header wins)."""
     batching: BatchingSpec | None = None
     """Micro-batch its bulk embeddings and completions."""
+    unsupported_tools: UnsupportedTools = "drop"
+    """What a Responses request's tools that a translated deployment cannot run (hosted tools:
+    `web_search`, `file_search`, `local_shell`, `mcp`, ...; custom tools held to a grammar) do
+    there: `drop` (the request goes on without them, and the answer's
+    `x-tailguard-dropped-tools` header and the access log name them) or `refuse` (a 400 naming
+    the tool; a fallback that would drop them is skipped). Native Responses deployments run
+    them all."""
 
     @model_validator(mode="after")
     def _unique_deployments(self) -> ModelSpec:

@@ -33,11 +33,26 @@ from gateway.providers.translate.events import (
     chat_body_to_response,
     native_body,
 )
-from gateway.providers.translate.items import responses_request_to_chat
+from gateway.providers.translate.items import translate_responses_request
+from gateway.providers.translate.tools import UnsupportedTools
 from gateway.response_ids import new_response_id
 
 _STREAMED_WITH_USAGE = ("chat", "completions")
 _SENDABLE_DEPTH = 254  # orjson serialises no deeper
+# Headers every upstream is sent (see `gateway.api.admit.read_headers`): when these are all a
+# request has, there is nothing to hold back from any upstream.
+_EVERYWHERE: Final = frozenset({"x-request-id", "traceparent"})
+
+
+def is_agent_header(name: str) -> bool:
+    """A coding agent's session headers (Codex CLI's), forwarded only to an upstream that
+    serves the Responses API natively: they mean something to OpenAI, nothing to others."""
+    return name in AGENT_HEADERS or name.startswith("x-codex-")
+
+
+AGENT_HEADERS: Final = frozenset(
+    {"session-id", "session_id", "thread-id", "conversation_id", "conversation-id", "originator"}
+)
 
 
 class _Raw:
@@ -84,16 +99,23 @@ class Prepared:
     # events), and the Response object once the answer is complete (what the store keeps).
     fail: Callable[[str, str], bytes] | None = None
     result: ResponsesResult | None = None
+    dropped: tuple[str, ...] = ()  # tools translation left out (`x-tailguard-dropped-tools`)
 
 
 def prepare(
-    call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]
+    call: Call,
+    provider: Provider,
+    upstream_model: str,
+    headers: dict[str, str],
+    unsupported_tools: UnsupportedTools = "drop",
 ) -> Prepared:
-    """Raises InvalidRequestError when the call cannot be expressed in the provider's format."""
-    if provider.wire != "anthropic" and "anthropic-beta" in headers:
-        headers = {k: v for k, v in headers.items() if k != "anthropic-beta"}
+    """Raises InvalidRequestError when the call cannot be expressed in the provider's format.
+    `unsupported_tools`: what the model does with Responses tools a translated upstream cannot
+    run (`drop` them, or `refuse` the request)."""
+    if not headers.keys() <= _EVERYWHERE:
+        headers = _headers_for(call, provider, headers)
     try:
-        return _prepare(call, provider, upstream_model, headers)
+        return _prepare(call, provider, upstream_model, headers, unsupported_tools)
     except TranslationError as exc:
         raise InvalidRequestError(
             f"{provider.name}/{upstream_model}: {exc}", param=exc.param
@@ -111,8 +133,25 @@ def prepare(
         ) from None
 
 
+def _headers_for(call: Call, provider: Provider, headers: dict[str, str]) -> dict[str, str]:
+    """The client's headers this upstream may see: Anthropic's betas go to Anthropic only, an
+    agent's session headers to a native Responses upstream only."""
+    native = call.endpoint == "responses" and provider.wire == "openai"
+    native = native and provider.supports("responses")
+    anthropic = provider.wire == "anthropic"
+    return {
+        name: value
+        for name, value in headers.items()
+        if (anthropic or name != "anthropic-beta") and (native or not is_agent_header(name))
+    }
+
+
 def _prepare(
-    call: Call, provider: Provider, upstream_model: str, headers: dict[str, str]
+    call: Call,
+    provider: Provider,
+    upstream_model: str,
+    headers: dict[str, str],
+    unsupported_tools: UnsupportedTools,
 ) -> Prepared:
     stream = call.stream
     answer = call.answer_model or upstream_model  # the `model` of a translated answer
@@ -121,7 +160,7 @@ def _prepare(
     if call.priority == "bulk" and provider.bulk_priority is not None:
         extra["priority"] = provider.bulk_priority
     if call.endpoint == "responses":
-        return _prepare_responses(call, provider, upstream_model, headers, extra)
+        return _prepare_responses(call, provider, upstream_model, headers, extra, unsupported_tools)
     if call.wire == provider.wire:
         if call.wire == "openai":
             translator: StreamTranslator = OpenAIPassthrough(include_usage=call.include_usage)
@@ -187,6 +226,7 @@ def _prepare_responses(
     upstream_model: str,
     headers: dict[str, str],
     extra: dict[str, Any],
+    unsupported_tools: UnsupportedTools,
 ) -> Prepared:
     """A Responses call: forwarded to an upstream that serves it natively, else translated to
     chat completions or Messages. The conversation (`previous_response_id`) was expanded into
@@ -213,11 +253,12 @@ def _prepare_responses(
             )
         return Prepared(request, passthrough, forward, passthrough.fail, result)
 
-    chat = responses_request_to_chat(call.body)
+    chat, names = translate_responses_request(call.body, unsupported_tools)
     chat["model"] = upstream_model
     answer = call.answer_model or upstream_model  # the `model` of the Response object
+    dropped = tuple(names.dropped)
     response_id = new_response_id(stored=call.body.get("store") is not False)
-    events = ResponsesEvents(call.body, response_id, answer, result)
+    events = ResponsesEvents(call.body, response_id, answer, result, names)
     if provider.wire == "anthropic":
         translated = chat_request_to_anthropic(chat)
         translated["model"] = upstream_model
@@ -225,16 +266,19 @@ def _prepare_responses(
 
         def from_anthropic(chunk: Chunk) -> bytes:
             return anthropic_body_to_response(
-                chunk.data or {}, call.body, response_id, answer, result
+                chunk.data or {}, call.body, response_id, answer, result, names
             )
 
         translator: StreamTranslator = AnthropicToResponsesStream(events, answer)
-        return Prepared(request, translator, from_anthropic, events.fail, result)
+        return Prepared(request, translator, from_anthropic, events.fail, result, dropped)
 
     chat.update(extra)
     request = UpstreamRequest("chat", orjson.dumps(chat), stream, headers)
 
     def from_chat(chunk: Chunk) -> bytes:
-        return chat_body_to_response(chunk.data or {}, call.body, response_id, answer, result)
+        return chat_body_to_response(
+            chunk.data or {}, call.body, response_id, answer, result, names
+        )
 
-    return Prepared(request, ChatToResponsesStream(events), from_chat, events.fail, result)
+    translator = ChatToResponsesStream(events)
+    return Prepared(request, translator, from_chat, events.fail, result, dropped)
