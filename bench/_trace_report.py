@@ -77,6 +77,9 @@ def recovery_s(
     return None if recovered_from is None else recovered_from * bin_s
 
 
+HEALTHY_AFTER_S = 10.0  # the recovery the benchmark expects after an incident ends
+
+
 def summarize(
     outcomes: Sequence[Outcome],
     attempts: Sequence[tuple[str, int, bool, bool]],
@@ -84,10 +87,24 @@ def summarize(
     ttft_budget_s: float,
     total_budget_s: float,
     incident_end: float | None,
+    *,
+    incident_start: float | None = None,
+    requested: str = "chat",
 ) -> dict[str, Any]:
     """One arm's figures. `attempts`: (upstream deployment, prompt tokens, completed, answered)
-    for every request its upstreams received; `model_of`: deployment -> model name."""
+    for every request its upstreams received; `model_of`: deployment -> model name. The
+    requested model's share while it is healthy counts the requests sent before the incident
+    and from `HEALTHY_AFTER_S` after its end."""
     n = len(outcomes)
+    healthy = [
+        o
+        for o in outcomes
+        if incident_start is None
+        or incident_end is None
+        or o.t < incident_start
+        or o.t >= incident_end + HEALTHY_AFTER_S
+    ]
+    kept = sum(o.error is None and model_of.get(o.deployment or "") == requested for o in healthy)
     ok = [o for o in outcomes if o.error is None]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
     totals = [o.total_s for o in ok if o.total_s is not None]
@@ -117,6 +134,7 @@ def summarize(
         "total_ms": percentiles_ms(totals, missing=n - len(totals)),
         "served_by_deployment": {d: c / n for d, c in sorted(served.items())} if n else {},
         "served_by_model": {m: c / n for m, c in sorted(by_model.items())} if n else {},
+        "requested_while_healthy": kept / len(healthy) if healthy else None,
         "upstream_requests": len(attempts),
         "extra_upstream_requests": (len(attempts) - n) / n if n else None,
         "wasted_prompt_tokens": wasted / client_tokens if client_tokens else None,
@@ -167,8 +185,9 @@ def table(scenario: str, arms: Mapping[str, Mapping[str, Any]]) -> str:
         f"### {scenario}",
         "",
         "| arm | attainment | errors | TTFT p50 / p90 / p99 ms | total p99 ms "
-        "| served by model | served by deployment | extra upstream | wasted prompt | recovery s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| served by model | requested model while healthy | served by deployment "
+        "| extra upstream | wasted prompt | recovery s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in arms.items():
         ttft, total = r["ttft_ms"], r["total_ms"]
@@ -178,7 +197,8 @@ def table(scenario: str, arms: Mapping[str, Mapping[str, Any]]) -> str:
         lines.append(
             f"| {name} | {_pct(r['attainment'])} | {r['errors']} "
             f"| {_ms(ttft.get('p50'))} / {_ms(ttft.get('p90'))} / {_ms(ttft.get('p99'))} "
-            f"| {_ms(total.get('p99'))} | {models} | {deployments} "
+            f"| {_ms(total.get('p99'))} | {models} | {_pct(r['requested_while_healthy'])} "
+            f"| {deployments} "
             f"| {_pct(r['extra_upstream_requests'])} | {_pct(r['wasted_prompt_tokens'])} "
             f"| {'-' if recovery is None else f'{recovery:g}'} |"
         )

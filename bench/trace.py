@@ -300,6 +300,7 @@ async def run_scenario(
             TTFT_BUDGET_MS / 1000,
             TOTAL_BUDGET_MS / 1000,
             None if spec is None else spec[2],
+            incident_start=None if spec is None else spec[1],
         )
         arm.outcomes = outcomes
     by_name = {arm.name: arm.outcomes for arm in arms}

@@ -290,7 +290,11 @@ def test_the_trace_figures_count_attainment_shares_waste_and_recovery() -> None:
     }
     assert r["ttft_ms"]["p50"] == 300.0 and r["ttft_ms"]["p99"] is None  # the error ranks last
     assert r["recovery_s"] is None
+    assert r["requested_while_healthy"] == 0.5  # two of four served by `chat`
     assert "| configured | 25.0% | 1 | 300 / - / - |" in trace_table("s", {"configured": r})
+    # An incident from 0.5 s to 1.5 s: only the request before it counts (and those 10 s after).
+    during = summarize(outcomes, attempts, model_of, 1.0, 8.0, incident_end=1.5, incident_start=0.5)
+    assert during["requested_while_healthy"] == 1.0
 
 
 def test_recovery_is_the_first_bin_from_which_every_bin_is_clean() -> None:
