@@ -77,6 +77,9 @@ def recovery_s(
     return None if recovered_from is None else recovered_from * bin_s
 
 
+HEALTHY_AFTER_S = 10.0  # the recovery the benchmark expects after an incident ends
+
+
 def summarize(
     outcomes: Sequence[Outcome],
     attempts: Sequence[tuple[str, int, bool, bool]],
@@ -84,10 +87,24 @@ def summarize(
     ttft_budget_s: float,
     total_budget_s: float,
     incident_end: float | None,
+    *,
+    incident_start: float | None = None,
+    requested: str = "chat",
 ) -> dict[str, Any]:
     """One arm's figures. `attempts`: (upstream deployment, prompt tokens, completed, answered)
-    for every request its upstreams received; `model_of`: deployment -> model name."""
+    for every request its upstreams received; `model_of`: deployment -> model name. The
+    requested model's share while it is healthy counts the requests sent before the incident
+    and from `HEALTHY_AFTER_S` after its end."""
     n = len(outcomes)
+    healthy = [
+        o
+        for o in outcomes
+        if incident_start is None
+        or incident_end is None
+        or o.t < incident_start
+        or o.t >= incident_end + HEALTHY_AFTER_S
+    ]
+    kept = sum(o.error is None and model_of.get(o.deployment or "") == requested for o in healthy)
     ok = [o for o in outcomes if o.error is None]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
     totals = [o.total_s for o in ok if o.total_s is not None]
@@ -117,6 +134,7 @@ def summarize(
         "total_ms": percentiles_ms(totals, missing=n - len(totals)),
         "served_by_deployment": {d: c / n for d, c in sorted(served.items())} if n else {},
         "served_by_model": {m: c / n for m, c in sorted(by_model.items())} if n else {},
+        "requested_while_healthy": kept / len(healthy) if healthy else None,
         "upstream_requests": len(attempts),
         "extra_upstream_requests": (len(attempts) - n) / n if n else None,
         "wasted_prompt_tokens": wasted / client_tokens if client_tokens else None,
@@ -132,7 +150,11 @@ def summarize(
 
 
 def paired_overhead(direct: Sequence[Outcome], gateway: Sequence[Outcome]) -> dict[str, Any]:
-    """Per request answered by both: gateway minus direct, TTFT and total, in ms percentiles."""
+    """Per request answered by both: gateway minus direct, TTFT and total, in ms percentiles.
+
+    Each side counts from its own send, not from the scheduled time: the client sends the arms'
+    copies one after another, so the later arm's wait for the earlier ones' sends (up to a few
+    ms while the client is busy) is the client's, not the gateway's."""
     by_index = {o.index: o for o in direct if o.error is None and o.ttft_s is not None}
     ttft: list[float] = []
     total: list[float] = []
@@ -140,9 +162,11 @@ def paired_overhead(direct: Sequence[Outcome], gateway: Sequence[Outcome]) -> di
         d = by_index.get(o.index)
         if d is None or o.error is not None or o.ttft_s is None or d.ttft_s is None:
             continue
-        ttft.append(o.ttft_s - d.ttft_s)
+        # The send's offset from the origin both figures count from (never negative).
+        skew = max(o.lag_s, 0.0) - max(d.lag_s, 0.0)
+        ttft.append(o.ttft_s - d.ttft_s - skew)
         if o.total_s is not None and d.total_s is not None:
-            total.append(o.total_s - d.total_s)
+            total.append(o.total_s - d.total_s - skew)
     # Differences can be negative: percentiles of the signed values, not of their sizes.
     return {"pairs": len(ttft), "ttft_ms": percentiles_ms(ttft), "total_ms": percentiles_ms(total)}
 
@@ -161,8 +185,9 @@ def table(scenario: str, arms: Mapping[str, Mapping[str, Any]]) -> str:
         f"### {scenario}",
         "",
         "| arm | attainment | errors | TTFT p50 / p90 / p99 ms | total p99 ms "
-        "| served by model | served by deployment | extra upstream | wasted prompt | recovery s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| served by model | requested model while healthy | served by deployment "
+        "| extra upstream | wasted prompt | recovery s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in arms.items():
         ttft, total = r["ttft_ms"], r["total_ms"]
@@ -172,17 +197,20 @@ def table(scenario: str, arms: Mapping[str, Mapping[str, Any]]) -> str:
         lines.append(
             f"| {name} | {_pct(r['attainment'])} | {r['errors']} "
             f"| {_ms(ttft.get('p50'))} / {_ms(ttft.get('p90'))} / {_ms(ttft.get('p99'))} "
-            f"| {_ms(total.get('p99'))} | {models} | {deployments} "
+            f"| {_ms(total.get('p99'))} | {models} | {_pct(r['requested_while_healthy'])} "
+            f"| {deployments} "
             f"| {_pct(r['extra_upstream_requests'])} | {_pct(r['wasted_prompt_tokens'])} "
             f"| {'-' if recovery is None else f'{recovery:g}'} |"
         )
     return "\n".join(lines)
 
 
-def overhead_line(paired: Mapping[str, Any]) -> str:
+def overhead_line(paired: Mapping[str, Any], *, alone: bool = False) -> str:
     ttft, total = paired["ttft_ms"], paired["total_ms"]
+    when = "the pair alone" if alone else "all four arms running"
     return (
-        f"paired overhead, Tailguard one deployment vs direct ({paired['pairs']} pairs): "
+        f"paired overhead, Tailguard one deployment vs direct ({paired['pairs']} pairs, "
+        f"{when}): "
         f"TTFT {_signed(ttft.get('p50'))} / {_signed(ttft.get('p90'))} / "
         f"{_signed(ttft.get('p99'))} ms (p50 / p90 / p99), total {_signed(total.get('p50'))} / "
         f"{_signed(total.get('p99'))} ms (p50 / p99)"

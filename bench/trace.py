@@ -6,7 +6,8 @@ conversation; seeded) unless `--trace PATH` names the real CSV (`TIMESTAMP, Cont
 GeneratedTokens`). Every request is streamed, `max_tokens` = its output length, prompts of
 ~4 characters per token. Four arms run at once, each on its own copies of the upstreams
 (`bench/_trace_upstream.py`, in this process; the same seeds, so every arm draws the same
-latencies for the same request):
+latencies for the same request; `plain` and `configured` are sent a few ms after the pair, see
+`STAGGER_S`):
 
 - `direct`: the client straight to the primary (the reference for the paired overhead);
 - `plain`: `bench/_refproxy.py`, a bare forwarding proxy, to the primary;
@@ -25,16 +26,18 @@ with `--duration`): `steady`; `drift` (the primary 4x slower from 60 s to 120 s)
 
 `--quick`: one 40 s scenario (steady unless `--scenarios` says). Results: a Markdown table per
 scenario, and `bench/results/trace-<timestamp>.json`. The figures are the client's, measured
-from each request's scheduled time.
+from each request's scheduled time; the paired overhead, from each copy's own send.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -68,10 +71,18 @@ INCIDENTS: Final[dict[str, tuple[State, float, float] | None]] = {
 }
 FULL_S: Final = 180.0
 QUICK_S: Final = 40.0
+PAIR_S: Final = 40.0  # the pair pass (direct and one alone), and with --quick
+PAIR_QUICK_S: Final = 20.0
 TTFT_BUDGET_MS: Final = 1000
 TOTAL_BUDGET_MS: Final = 8000
 HEDGE_MAX_FRACTION: Final = 0.10
 REQUEST_TIMEOUT_S: Final = 60.0
+# Seconds after the trace's time each arm's copy is sent. `direct` and `one` are the pair and go
+# together; the other two follow a few ms later, out of step with the pair: the three proxies
+# share a CPU (`bench/_harness.py`), and copies sent at the same instant reach them at the same
+# instant all along their streams (the same draws), so `one` would queue behind the others' work
+# on its first token and on every event after it.
+STAGGER_S: Final = {"plain": 0.009, "configured": 0.017}
 
 PRIMARY: Final = LatencyModel("large", 150, 40, 6.5, slots=64, stall_rate=0.04)
 SECOND: Final = LatencyModel(
@@ -147,6 +158,8 @@ class Arm:
 async def one_request(
     session: aiohttp.ClientSession, arm: Arm, index: int, row: TraceRow, body: bytes, due: float
 ) -> None:
+    if due > time.perf_counter():  # a staggered arm
+        await asyncio.sleep(due - time.perf_counter())
     started = time.perf_counter()
     origin = min(due, started)
     outcome = report.Outcome(index, row.t, (len(body) + 3) // 4, lag_s=started - due)
@@ -195,28 +208,53 @@ async def replay(
     bodies = [request_body(i, row) for i, row in enumerate(rows)]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        start = time.perf_counter() + 0.5
-        tasks: list[asyncio.Task[None]] = []
-        if spec is not None:
-            tasks.append(asyncio.create_task(incident(arms, start, spec)))
-        for i, row in enumerate(rows):
-            due = start + row.t
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            for arm in arms:
-                task = one_request(session, arm, i, row, bodies[i][0], due)
-                tasks.append(asyncio.create_task(task))
-        await asyncio.gather(*tasks)
+    with quiet_gc():
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            start = time.perf_counter() + 0.5
+            tasks: list[asyncio.Task[None]] = []
+            if spec is not None:
+                tasks.append(asyncio.create_task(incident(arms, start, spec)))
+            for i, row in enumerate(rows):
+                due = start + row.t
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                for arm in arms:
+                    at = due + STAGGER_S.get(arm.name, 0.0)
+                    task = one_request(session, arm, i, row, bodies[i][0], at)
+                    tasks.append(asyncio.create_task(task))
+            await asyncio.gather(*tasks)
+
+
+@contextlib.contextmanager
+def quiet_gc() -> Iterator[None]:
+    """The collector as the gateway runs it (`gateway.api.tune_gc`), for the replay. The client
+    and every upstream share this process's one event loop: with the default thresholds a full
+    collection over the trace's bodies and the results pauses it for 40-90 ms, and a pause that
+    falls between the direct copy's event and the gateway copy's lands on one arm only."""
+    previous = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
+        gc.unfreeze()
 
 
 async def run_scenario(
-    name: str, rows: Sequence[TraceRow], duration_s: float, seed: int, stack: Stack, logs: Path
+    name: str,
+    rows: Sequence[TraceRow],
+    duration_s: float,
+    seed: int,
+    stack: Stack,
+    logs: Path,
+    arm_names: Sequence[str] = ARMS,
 ) -> dict[str, Any]:
     scale = duration_s / FULL_S
-    raw = INCIDENTS[name]
+    raw = INCIDENTS.get(name)  # "pair": none
     spec = None if raw is None else (raw[0], raw[1] * scale, raw[2] * scale)
     arms: list[Arm] = []
-    for arm_name in ARMS:
+    for arm_name in arm_names:
         upstreams = {
             d: TraceUpstream(DEPLOYMENTS[d][0], seed=seed + i)
             for i, d in enumerate(ARM_DEPLOYMENTS[arm_name])
@@ -262,11 +300,30 @@ async def run_scenario(
             TTFT_BUDGET_MS / 1000,
             TOTAL_BUDGET_MS / 1000,
             None if spec is None else spec[2],
+            incident_start=None if spec is None else spec[1],
         )
         arm.outcomes = outcomes
     by_name = {arm.name: arm.outcomes for arm in arms}
     paired = report.paired_overhead(by_name["direct"], by_name["one"])
     return {"incident": spec, "arms": results, "paired_overhead": paired}
+
+
+def run_pair(
+    rows: Sequence[TraceRow], seconds: float, seed: int, pin: dict[str, list[str]], logs: Path
+) -> dict[str, Any]:
+    """The paired overhead with `direct` and `one` alone: the first `seconds` of the steady
+    trace, so that neither the plain proxy nor the configured gateway takes the CPU from the
+    pair (on a small machine, waiting for a core is most of what four arms add to its tail)."""
+    head = [row for row in rows if row.t < seconds]
+    stack = Stack(logs=logs, pin=pin, cwd=ROOT)
+    try:
+        found = asyncio.run(
+            run_scenario("pair", head, FULL_S, seed, stack, logs, arm_names=("direct", "one"))
+        )
+    finally:
+        stack.stop()
+    paired: dict[str, Any] = found["paired_overhead"]
+    return paired
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -280,6 +337,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="one 40 s scenario (steady)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument(
+        "--pair-s",
+        type=float,
+        default=None,
+        help="seconds of the steady trace replayed by direct and one alone, for the paired "
+        "overhead without the other arms on the CPU (0: none; default 40, --quick 20)",
+    )
     args = parser.parse_args(argv)
     default = "steady" if args.quick else ",".join(SCENARIOS)
     args.scenarios = parse_modes(parser, args.scenarios or default, SCENARIOS)
@@ -287,6 +351,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.duration = QUICK_S if args.quick else FULL_S
     if not 5.0 <= args.duration <= 900.0:
         parser.error("--duration: 5 to 900 seconds")
+    if args.pair_s is None:
+        args.pair_s = PAIR_QUICK_S if args.quick else PAIR_S
     return args
 
 
@@ -320,6 +386,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(report.table(name, scenarios[name]["arms"]))
             print()
             print(report.overhead_line(scenarios[name]["paired_overhead"]))
+        pair = None
+        if args.pair_s > 0:
+            pair = run_pair(rows, args.pair_s, args.seed, pin, logs)
+            print()
+            print(report.overhead_line(pair, alone=True))
     document = {
         "benchmark": "trace",
         "trace": {"source": source, **shape},
@@ -330,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pinning_warning": warning,
         "environment": environment(),
         "scenarios": scenarios,
+        "paired_overhead_alone": pair,
     }
     write_results(args.out or RESULTS_DIR / f"trace-{stamp}.json", document, logs, args.keep_logs)
     return 0

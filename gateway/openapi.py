@@ -164,6 +164,7 @@ def _complete_llm_operation(operation: Document, errors: str) -> None:
         "server-timing": _header("ServerTiming"),
         "x-upstream-request-id": _header("UpstreamRequestId"),
         "x-should-retry": _header("ShouldRetry"),
+        "x-tailguard-dropped-tools": _header("DroppedTools"),
         **{name: _header(component) for name, component in _RATE_LIMIT_HEADERS[errors].items()},
     }
     for status in ERROR_STATUSES:

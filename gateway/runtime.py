@@ -28,6 +28,7 @@ from gateway.batching.gate import Upstream
 from gateway.config import (
     AffinitySpec,
     ConfigError,
+    ModelNames,
     ModelSpec,
     RateLimitSpec,
     Settings,
@@ -104,6 +105,11 @@ class Services:
     retired: bool = False  # a reload replaced these services
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # retired and no request left
     _pools: AsyncExitStack = field(default_factory=AsyncExitStack)  # the providers' sessions
+    # By the name requested: a model's own, or one of its aliases (derived from `models`).
+    names: ModelNames = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.names = ModelNames(self.models.values())
 
     def enter(self) -> None:
         self.active += 1

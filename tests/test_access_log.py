@@ -128,8 +128,9 @@ async def test_refused_and_failed_requests_get_a_line(
     assert (unknown.status_code, failed.status_code, huge.status_code) == (404, 502, 404)
     assert found["req-404"]["status"] == 404
     assert found["req-404"]["error"] == "model_not_found"
-    assert found["req-404"]["model"] == "no-such-model"
-    assert found["req-huge"]["model"] == "x" * 256
+    assert found["req-404"]["model"] == ""  # no configured model: nothing in metrics either
+    assert found["req-404"]["requested_model"] == "no-such-model"
+    assert found["req-huge"]["requested_model"] == "x" * 256
     assert found["req-502"]["status"] == 502
     assert found["req-502"]["model"] == "bad"
     assert found["req-502"]["error"]

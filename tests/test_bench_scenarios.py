@@ -290,7 +290,11 @@ def test_the_trace_figures_count_attainment_shares_waste_and_recovery() -> None:
     }
     assert r["ttft_ms"]["p50"] == 300.0 and r["ttft_ms"]["p99"] is None  # the error ranks last
     assert r["recovery_s"] is None
+    assert r["requested_while_healthy"] == 0.5  # two of four served by `chat`
     assert "| configured | 25.0% | 1 | 300 / - / - |" in trace_table("s", {"configured": r})
+    # An incident from 0.5 s to 1.5 s: only the request before it counts (and those 10 s after).
+    during = summarize(outcomes, attempts, model_of, 1.0, 8.0, incident_end=1.5, incident_start=0.5)
+    assert during["requested_while_healthy"] == 1.0
 
 
 def test_recovery_is_the_first_bin_from_which_every_bin_is_clean() -> None:
@@ -319,3 +323,22 @@ def test_the_paired_overhead_subtracts_the_same_request_direct_from_through_the_
     assert [round(paired["ttft_ms"][k], 3) for k in ("p50", "p99")] == [2.0, 5.0]
     assert round(paired["total_ms"]["p50"], 3) == 4.0
     assert round(min(-1.0, paired["ttft_ms"]["p50"] - 3.0), 3) == -1.0
+
+
+def test_the_paired_overhead_counts_each_copy_from_its_own_send() -> None:
+    """The client sends the gateway's copy after the direct one: the wait between the two sends
+    is the client's, so it is not charged to the gateway; a copy sent early counts from its
+    send as well, never from before it."""
+    direct = [
+        trace_outcome(0, 0.0, ttft_s=0.100, total_s=1.0, lag_s=0.001),
+        trace_outcome(1, 0.0, ttft_s=0.100, total_s=1.0, lag_s=-0.002),  # woken a little early
+    ]
+    through = [
+        # Sent 3 ms after the direct copy, answered 5 ms after it: the gateway added 2 ms.
+        trace_outcome(0, 0.0, ttft_s=0.105, total_s=1.005, lag_s=0.004),
+        trace_outcome(1, 0.0, ttft_s=0.104, total_s=1.004, lag_s=0.001),
+    ]
+    paired = paired_overhead(direct, through)
+    assert paired["pairs"] == 2
+    assert sorted(round(paired["ttft_ms"][k], 3) for k in ("p50", "p99")) == [2.0, 3.0]
+    assert sorted(round(paired["total_ms"][k], 3) for k in ("p50", "p99")) == [2.0, 3.0]

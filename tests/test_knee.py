@@ -114,3 +114,23 @@ def test_a_knee_not_seen_again_is_forgotten() -> None:
         p.observe_sent("d", "short", 0, BASE_S)
         p.observe_sent("d", "short", 4, 0.3)
     assert p.predict_inflight("d", "short", 4, total_p50_s=1.0) is not None
+
+
+def test_a_slow_spell_is_not_a_knee() -> None:
+    """A provider that slows down at every level (more requests are in flight because each takes
+    longer) shows no knee: its levels are compared on what they show now, side by side, not a
+    slow level today against the fast base it had before the spell."""
+    clock = Clock()
+    p = TTFTPredictor(clock)
+    for _ in range(LEVEL_EVIDENCE):
+        for inflight in range(2):
+            p.observe_sent("d", "short", inflight, BASE_S)  # before the spell: one or two
+    clock.now += 40.0  # the spell starts: in it, nothing is as fast as before
+    for _ in range(LEVEL_EVIDENCE):
+        for inflight in range(1, 8):  # the spell: four times slower, more in flight
+            p.observe_sent("d", "short", inflight, 4 * BASE_S)
+    assert p.learned()["d/short"]["slots"] is None
+    assert p.predict_inflight("d", "short", 6, total_p50_s=1.0) is None
+    clock.now += KNEE_STALE_S + 1.0  # the spell is over; then queueing: the low levels fast
+    four_slots(p)  # beside the slow high ones, at the same time
+    assert p.learned()["d/short"]["slots"] == 4.0

@@ -291,15 +291,16 @@ async def test_unknown_previous_response_is_a_400(client: openai.AsyncOpenAI) ->
     assert raised.value.param == "previous_response_id"
 
 
-async def test_builtin_tools_are_refused_naming_them(client: openai.AsyncOpenAI) -> None:
-    """A chat or Messages upstream has no web search: a 400 that names the tool, not silence."""
+async def test_builtin_tools_are_dropped_naming_them(client: openai.AsyncOpenAI) -> None:
+    """A chat or Messages upstream has no web search: by default the request goes on without
+    it, and the answer says so in a header, rather than in silence (see test_codex_translation
+    for `unsupported_tools: refuse`)."""
     for model in ("chat", "claude"):
-        with pytest.raises(openai.BadRequestError) as raised:
-            await client.responses.create(
-                model=model, input="News?", tools=[{"type": "web_search"}]
-            )
-        assert raised.value.param == "tools[0].type"
-        assert "web_search" in raised.value.message
+        raw = await client.responses.with_raw_response.create(
+            model=model, input="News?", tools=[{"type": "web_search"}]
+        )
+        assert raw.headers["x-tailguard-dropped-tools"] == "web_search"
+        assert raw.parse().output_text
 
 
 async def test_bad_input_is_a_400_in_the_openai_shape(gateway: Gateway) -> None:

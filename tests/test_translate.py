@@ -7,6 +7,7 @@ event, and their stream accumulators (fed over an in-memory transport) reassembl
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -466,7 +467,8 @@ def test_messages_request_to_openai() -> None:
         "stop": ["\n\nHuman:"],
         "stream": True,
         "stream_options": {"include_usage": True},
-        "user": "u-7",
+        "reasoning_effort": "low",
+        "safety_identifier": hashlib.sha256(b"u-7").hexdigest(),
         "tools": [
             {
                 "type": "function",
@@ -543,7 +545,7 @@ def test_messages_tool_choice(choice: dict[str, Any], expected: object) -> None:
             "tools[0].type",
         ),
         ({"max_tokens": 5, "messages": HELLO, "mcp_servers": [{"type": "url"}]}, "mcp_servers"),
-        ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         (
             {
                 "max_tokens": 5,
@@ -624,7 +626,7 @@ def test_openai_request_round_trip_keeps_the_meaning() -> None:
         "stop": ["END"],
         "stream": True,
         "stream_options": {"include_usage": True},
-        "user": "user-42",
+        "safety_identifier": hashlib.sha256(b"user-42").hexdigest(),
         "tools": [
             {
                 "type": "function",
@@ -684,11 +686,7 @@ def test_anthropic_request_round_trip_keeps_the_meaning() -> None:
         },
         {"role": "user", "content": "And tomorrow?"},
     ]
-    assert (back["max_tokens"], back["stop_sequences"], back["metadata"]) == (
-        1024,
-        ["\n\nHuman:"],
-        {"user_id": "u-7"},
-    )
+    assert (back["max_tokens"], back["stop_sequences"]) == (1024, ["\n\nHuman:"])
     assert back["tool_choice"] == {"type": "auto", "disable_parallel_tool_use": True}
     assert back["tools"] == ANTHROPIC_REQUEST["tools"]
 
@@ -1159,7 +1157,12 @@ def test_openai_stream_length_finish_to_anthropic() -> None:
     """A `length` finish becomes `max_tokens`."""
     stream = openai_chunk({"content": "a"}, "length") + b"data: [DONE]\n\n"
     frames = data_frames(openai_to_anthropic(stream))
-    assert frames[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert frames[-2]["delta"] == {
+        "stop_reason": "max_tokens",
+        "stop_sequence": None,
+        "stop_details": None,
+        "container": None,
+    }
 
 
 def test_openai_stream_error_reaches_anthropic_client_as_error() -> None:
@@ -1583,13 +1586,15 @@ def test_openai_cache_counts_reach_an_anthropic_client_streamed() -> None:
 
 
 def test_usage_without_cache_counts_has_no_cache_fields() -> None:
-    """With no cache reads or writes, neither wire gains a cache-write field, and Anthropic's
-    usage has no cache fields at all."""
+    """With no cache reads or writes, OpenAI's usage gains no cache-write field, and Anthropic's
+    counts its cache fields as 0 (its schema requires them)."""
     plain = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
     to_anthropic = orjson.loads(
         openai_response_to_anthropic({**OPENAI_COMPLETION, "usage": plain}, model="m")
     )
-    assert to_anthropic["usage"] == {"input_tokens": 10, "output_tokens": 2}
+    usage = to_anthropic["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (10, 2)
+    assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (0, 0)
     to_openai = orjson.loads(
         anthropic_response_to_openai(
             {**ANTHROPIC_MESSAGE, "usage": {"input_tokens": 10, "output_tokens": 2}}, model="m"

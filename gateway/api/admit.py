@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 import orjson
 from starlette.types import Receive, Scope
@@ -20,7 +18,7 @@ from starlette.types import Receive, Scope
 from gateway.api.conversation import expand_conversation, owner_of
 from gateway.auth import KeyRing, Principal
 from gateway.batching import BATCHED_ENDPOINTS
-from gateway.config import ModelSpec
+from gateway.config import ModelNames, ModelSpec
 from gateway.errors import (
     BodyTooLargeError,
     InvalidRequestError,
@@ -30,6 +28,7 @@ from gateway.errors import (
     quote,
 )
 from gateway.models import Call, Endpoint
+from gateway.providers.request import AGENT_HEADERS
 from gateway.ratelimit import RateLimiter, Verdict
 from gateway.routing import Decision, budget_for, decide
 from gateway.runtime import Runtime, Services
@@ -46,6 +45,7 @@ SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
 PRIORITY_HEADER = "x-tailguard-priority"
 _MAX_BUDGET_MS = 3_600_000
+_AGENT_HEADERS = frozenset(name.encode() for name in AGENT_HEADERS)
 
 
 def authenticate(
@@ -86,7 +86,7 @@ async def admit(
     raw = await read_body(scope, receive, server.max_body_bytes, server.read_timeout_s)
     call = await off_loop(len(raw), parse_call, endpoint, raw)
     if principal is not None:
-        call = _check_key(principal, call, runtime.services.models)
+        call = _check_key(principal, call, runtime.services.names)
     limited = principal is not None and principal.rate_limited
     limiter = runtime.limiter
     counted: Verdict | None = None  # the request, charged before its conversation is read
@@ -118,17 +118,20 @@ async def admit(
     return call, Admitted(principal, verdict, prompt, charged, limiter)
 
 
-def model_of(services: Services, call: Call, principal: Principal | None) -> ModelSpec:
-    """The configured model `call` names; raises UnknownModelError listing those the key may
-    use."""
-    spec = services.models.get(call.model)
+def model_of(services: Services, call: Call, principal: Principal | None) -> tuple[ModelSpec, Call]:
+    """The configured model `call` names (by its name or an alias), and the call as it goes on:
+    with the name to answer with, when the model answers with the name asked for. Raises
+    UnknownModelError listing the models the key may use."""
+    spec = services.names.lookup(call.model)
     if spec is None:
         raise UnknownModelError(
             f"The model {quote(call.model)} does not exist. Available models: "
             f"{', '.join(visible_models(services, principal))}.",
             param="model",
         )
-    return spec
+    if spec.answer_model == "requested":
+        call = replace(call, answer_model=call.model)
+    return spec, call
 
 
 def resolve(
@@ -169,18 +172,21 @@ def resolve(
     return decide(services, call, spec, budget, headers=headers.forward, batchers=batchers)
 
 
-def _check_key(principal: Principal, call: Call, models: Mapping[str, Any]) -> Call:
-    """What a key may ask for: its models, and its caps on `n` and `max_tokens`. Returns the
-    call as admitted: with the key's cap as its max_tokens when it sets none."""
+def _check_key(principal: Principal, call: Call, names: ModelNames) -> Call:
+    """What a key may ask for: its models (an alias counts as the model it names), and its caps
+    on `n` and `max_tokens`. Returns the call as admitted: with the key's cap as its max_tokens
+    when it sets none."""
     allowed = principal.models
     if allowed is not None and call.model not in allowed:
-        if call.model not in models:
+        spec = names.lookup(call.model)
+        if spec is None:
             return call  # unknown to everyone: the 404 says so, without listing others' models
-        raise PermissionDeniedError(
-            f"The key '{principal.name}' may not use the model '{call.model}'.",
-            param="model",
-            code="model_not_allowed",
-        )
+        if spec.name not in allowed:
+            raise PermissionDeniedError(
+                f"The key '{principal.name}' may not use the model '{call.model}'.",
+                param="model",
+                code="model_not_allowed",
+            )
     if principal.max_n is not None:
         # `best_of` (completions) generates that many on the server, returned or not.
         for param in ("n", "best_of"):
@@ -289,6 +295,10 @@ def read_headers(scope: Scope, request_id: str) -> RequestHeaders:
         elif name == b"anthropic-beta":
             # Feature flags of Anthropic's API: only ever sent to Anthropic upstreams.
             found.forward["anthropic-beta"] = value.decode("latin-1")
+        elif name in _AGENT_HEADERS or name.startswith(b"x-codex-"):
+            # A coding agent's session headers: only ever sent to native Responses upstreams
+            # (see `gateway.providers.request.is_agent_header`).
+            found.forward[name.decode("latin-1")] = value.decode("latin-1")
         elif name == b"x-tailguard-ttft-budget-ms":
             found.ttft_budget_ms = _budget(TTFT_BUDGET_HEADER, value)
         elif name == b"x-tailguard-total-budget-ms":

@@ -114,7 +114,7 @@ async def _count(runtime: Runtime, ctx: RequestContext, request: Request, wire: 
     model, query = await off_loop(len(raw), parse_count, wire, raw, server.max_count_values)
     services = runtime.services  # the request keeps these to its end, whatever reloads
     spec = _model(services, model, ctx)
-    ctx.model = spec.name
+    ctx.model, ctx.requested = spec.name, model
     services.enter()  # a reload meanwhile keeps the providers' pools open until this ends
     try:
         if query.body.get("previous_response_id"):
@@ -184,11 +184,12 @@ async def _continued(
 
 
 def _model(services: Services, name: str, ctx: RequestContext) -> ModelSpec:
-    """The configured model `name`, within the key's models: another is as unknown to the key
-    as one not configured (a 404, as `GET /v1/models/{id}` answers)."""
+    """The configured model `name` (or the model it is an alias of), within the key's models:
+    another is as unknown to the key as one not configured (a 404, as `GET /v1/models/{id}`
+    answers)."""
     visible = visible_models(services, ctx.principal)
-    spec = services.models.get(name)
-    if spec is None or name not in visible:
+    spec = services.names.lookup(name)
+    if spec is None or spec.name not in visible:
         raise UnknownModelError(
             f"The model {quote(name)} does not exist. Available models: {', '.join(visible)}.",
             param="model",

@@ -59,7 +59,8 @@ class RequestContext:
     path: str
     principal: Principal | None = None  # the key it came with (when keys are configured)
     model: str = ""  # the configured model it names, once known
-    requested: str = ""  # the name it asked for, known or not (cut): what the access log shows
+    # The name it asked for (`model`, one of its aliases, or a name no model has), cut.
+    requested: str = ""
 
 
 def context_of(scope: Scope) -> RequestContext:
@@ -148,8 +149,9 @@ async def serve_llm(
             # charge: the key pays for what is sent upstream.
             call, ticket = await admit(runtime, ctx.principal, scope, receive, endpoint)
             services = runtime.services  # after the last await: the request keeps these
+            # Known before the name is looked up: a refusal's access line names it too.
             ctx.requested = call.model[:REQUESTED_CHARS]
-            spec = model_of(services, call, ctx.principal)
+            spec, call = model_of(services, call, ctx.principal)
             ctx.model = spec.name
             decision = resolve(
                 services, call, spec, scope, request_id=ctx.request_id, arrived=ctx.arrived

@@ -137,7 +137,8 @@ def _refused(outcome: RequestOutcome) -> None:
                 "request_id": ctx.request_id,
                 "trace_id": trace_id,
                 "path": ctx.path,
-                "model": model or ctx.requested,  # an unknown name too: what was asked for
+                "model": model,
+                "requested_model": ctx.requested or None,
                 "key": ctx.principal.name if ctx.principal is not None else None,
                 "status": status,
                 "error": error_type,
@@ -214,6 +215,7 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
                 "trace_id": trace.trace_id if trace is not None else None,
                 "path": ctx.path,
                 "model": model,
+                "requested_model": ctx.requested or None,
                 "stream": call.stream,
                 "deployment": deployment or None,
                 "route": route or None,
@@ -231,6 +233,10 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
                 "ttft_met": slo.get("ttft"),
                 "total_met": slo.get("total"),
                 "tpot_met": slo.get("tpot"),
+                # Responses tools a translated upstream went without (`unsupported_tools`).
+                "dropped_tools": list(opened.prepared.dropped)
+                if opened is not None and opened.prepared.dropped
+                else None,
             }
         )
 

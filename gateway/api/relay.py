@@ -41,6 +41,7 @@ log = logging.getLogger("tailguard")
 
 _JSON = b"application/json"
 _SSE = b"text/event-stream; charset=utf-8"
+DROPPED_TOOLS_HEADER = b"x-tailguard-dropped-tools"
 
 
 class Proxy:
@@ -416,6 +417,8 @@ def _head(
         headers.append((b"x-upstream-request-id", upstream_id.encode()))
     if len(opened.attempts) > 1:
         headers.append((b"x-should-retry", b"false"))
+    if opened.prepared.dropped:  # Responses tools the translated upstream went without
+        headers.append((DROPPED_TOOLS_HEADER, ", ".join(opened.prepared.dropped).encode()))
     ticket = outcome.ticket
     if ticket is not None and ticket.verdict is not None:
         headers += ticket.verdict.headers(call.wire)

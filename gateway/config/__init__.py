@@ -3,6 +3,7 @@
 The ground floor: it imports nothing of the gateway but the simulator's profile schema, a leaf.
 """
 
+from gateway.config.names import ModelNames
 from gateway.config.settings import (
     PACKAGED_CONFIG,
     Settings,
@@ -17,6 +18,7 @@ from gateway.config.specs import (
     LOG_LEVEL_ENV,
     AdminKeySpec,
     AffinitySpec,
+    AnswerModel,
     AuthSpec,
     BatchingSpec,
     BudgetSpec,
@@ -46,6 +48,7 @@ __all__ = [
     "PACKAGED_CONFIG",
     "AdminKeySpec",
     "AffinitySpec",
+    "AnswerModel",
     "AuthSpec",
     "BatchingSpec",
     "BudgetSpec",
@@ -55,6 +58,7 @@ __all__ = [
     "DeploymentSpec",
     "KeySpec",
     "LatencySpec",
+    "ModelNames",
     "ModelSpec",
     "OnTTFTMiss",
     "OnTotalMiss",

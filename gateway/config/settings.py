@@ -144,6 +144,18 @@ def _reference_problems(settings: Settings) -> list[_Reference]:
             loc: Loc = ("models", i, "name")
             problems.append((loc, loc, "models", f"the name {model.name!r} is used twice"))
         seen.add(model.name)
+    aliased: dict[str, str] = {}  # exact aliases (no pattern characters): the model they name
+    for i, model in enumerate(settings.models):
+        for k, alias in enumerate(model.aliases):
+            loc = ("models", i, "aliases")
+            if alias in seen:
+                message = f"{alias!r} is a model's name: the alias would never apply"
+                problems.append((loc, (*loc, k), f"models[{model.name}].aliases", message))
+            elif not any(c in alias for c in "*?[") and aliased.setdefault(alias, model.name) != (
+                model.name
+            ):
+                message = f"{alias!r} is already an alias of {aliased[alias]!r}"
+                problems.append((loc, (*loc, k), f"models[{model.name}].aliases", message))
     configured = ", ".join(settings.providers)
     known = ", ".join(sorted(seen))
     for i, model in enumerate(settings.models):

@@ -21,8 +21,12 @@ ProviderType = Literal["openai", "vllm", "anthropic", "simulated"]
 Priority = Literal["interactive", "bulk"]
 OnTTFTMiss = Literal["failover", "hedge", "none"]
 OnTotalMiss = Literal["finish", "cut"]
+AnswerModel = Literal["upstream", "requested"]
+UnsupportedTools = Literal["drop", "refuse"]
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+# A model name as clients send it, or a glob pattern of such names (`*`, `?`, `[...]`).
+_ALIAS = r"^[A-Za-z0-9*?\[][A-Za-z0-9_.:/@\-*?\[\]!]{0,255}$"
 
 
 class ConfigError(Exception):
@@ -260,6 +264,16 @@ class ModelSpec(_Spec):
 
     name: Annotated[str, Field(pattern=_NAME)]
     """What clients send as `model`."""
+    aliases: tuple[Annotated[str, Field(pattern=_ALIAS)], ...] = ()
+    """Other names clients may send for it: exact names, or glob patterns (`claude-*`,
+    `gpt-5*`; `*` any characters, `?` one, `[...]` one of a set), as agents send names that
+    change with every release. A configured model name always wins; otherwise the first model,
+    in config order, with a matching alias serves the request. Metrics count it under this
+    model's name; the access log and spans keep the name asked for."""
+    answer_model: AnswerModel = "upstream"
+    """The `model` field of the answer: `upstream` (what the upstream answered with, or the
+    deployment's model when translated) or `requested` (the name the client sent, an alias
+    included)."""
     deployments: Annotated[tuple[DeploymentSpec, ...], Field(min_length=1)]
     """Where it is served, in a weighted random order."""
     budget: BudgetSpec = BudgetSpec()
@@ -284,6 +298,13 @@ class ModelSpec(_Spec):
     """`interactive` or `bulk` (the `x-tailguard-priority` header wins)."""
     batching: BatchingSpec | None = None
     """Micro-batch its bulk embeddings and completions."""
+    unsupported_tools: UnsupportedTools = "drop"
+    """What a Responses request's tools that a translated deployment cannot run (hosted tools:
+    `web_search`, `file_search`, `local_shell`, `mcp`, ...; custom tools held to a grammar) do
+    there: `drop` (the request goes on without them, and the answer's
+    `x-tailguard-dropped-tools` header and the access log name them) or `refuse` (a 400 naming
+    the tool; a fallback that would drop them is skipped). Native Responses deployments run
+    them all."""
 
     @model_validator(mode="after")
     def _unique_deployments(self) -> ModelSpec:
@@ -292,6 +313,10 @@ class ModelSpec(_Spec):
             raise ValueError("deployments repeat the same provider/model")
         if self.name in self.fallbacks:
             raise ValueError("a model cannot be its own fallback")
+        if self.name in self.aliases:
+            raise ValueError("a model's name cannot also be its alias")
+        if len(set(self.aliases)) != len(self.aliases):
+            raise ValueError("aliases repeat the same name")
         return self
 
 

@@ -44,6 +44,8 @@ class Candidate:
     # A vLLM deployment: the mean time per output token its server measured lately. Ahead of
     # the nominal prior, which knows nothing of the server's load or speculative decoding.
     measured_tpot_s: float | None = None
+    # Its model's `unsupported_tools`: what a translated Responses request's hosted tools do.
+    unsupported_tools: Literal["drop", "refuse"] = "drop"
 
     @property
     def id(self) -> str:

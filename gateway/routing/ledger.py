@@ -273,18 +273,19 @@ class Ledger:
         self.claimed.append(live)
         headers = self.headers
         trace = self.trace
+        upstream_model, provider = candidate.deployment.model, candidate.provider
         if trace is not None:
-            provider = candidate.provider
             attempt.span, traceparent = trace.attempt(
                 operation=OPERATIONS.get(self.call.endpoint, self.call.endpoint),
-                model=candidate.deployment.model,
+                model=upstream_model,
                 provider=provider.system,
                 address=provider.address,
                 hedge=why == "hedge",
             )
             headers = {**headers, "traceparent": traceparent}
         try:
-            prepared = prepare(self.call, candidate.provider, candidate.deployment.model, headers)
+            policy = candidate.unsupported_tools  # what a translation does with hosted tools
+            prepared = prepare(self.call, provider, upstream_model, headers, policy)
         except InvalidRequestError as error:
             self.close(live, "skipped", span_error=error.code)
             if not self.attempts and first:

@@ -157,6 +157,7 @@ def candidates(
                         prompt_bytes=len(call.raw),
                         recent=recent.get(deployment.id),
                         explored_s=explored.get(deployment.id),
+                        unsupported_tools=model.unsupported_tools,
                     )
                 )
     if not found:

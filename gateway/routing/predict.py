@@ -55,9 +55,12 @@ LEVEL_EVIDENCE = 3  # TTFTs at a level before its median counts
 SLOW_FACTOR = 2.0
 """A level is queued when its median TTFT is over this times the unloaded base: a request that
 waits for a slot waits about a stream's length over the slots, mostly well over its own TTFT."""
-KNEE_STALE_S = 60.0
-"""A knee whose queued level has not been seen again for this long is forgotten (the provider
-may have grown): traffic then piles on until it is seen again."""
+KNEE_STALE_S = 30.0
+"""Levels are compared on the TTFTs of their last this-many seconds only, and a knee whose
+queued level has not been seen again for this long is forgotten (the provider may have grown:
+traffic then piles on until it is seen again). Queueing shows as a slow level beside a fast one
+at the same time; a provider slow at every level (a slow spell, in which more requests are in
+flight because each takes longer) has a slow base, and no knee."""
 MOST_LEVELS = 1024  # in-flight counts beyond this are counted as this (a bound on memory)
 BANDS = ("short", "long")
 
@@ -123,21 +126,25 @@ class _Fit:
 
 @dataclass(slots=True)
 class _Level:
-    """The latest TTFTs (a ring of `LEVEL_KEEP`) of attempts sent at one in-flight count."""
+    """The latest TTFTs (a ring of `LEVEL_KEEP`, with when each came) of attempts sent at one
+    in-flight count."""
 
-    ttfts: list[float]
+    ttfts: list[tuple[float, float]]  # (clock time, TTFT seconds)
     next: int = 0
-    median: float = 0.0
     observed_at: float = 0.0
 
     def add(self, ttft_s: float, now: float) -> None:
         if len(self.ttfts) < LEVEL_KEEP:
-            self.ttfts.append(ttft_s)
+            self.ttfts.append((now, ttft_s))
         else:
-            self.ttfts[self.next] = ttft_s
+            self.ttfts[self.next] = (now, ttft_s)
             self.next = (self.next + 1) % LEVEL_KEEP
-        self.median = sorted(self.ttfts)[len(self.ttfts) // 2]
         self.observed_at = now
+
+    def median(self, since: float) -> float | None:
+        """The median of the TTFTs seen since `since`; None with fewer than `LEVEL_EVIDENCE`."""
+        fresh = sorted(ttft for at, ttft in self.ttfts if at >= since)
+        return fresh[len(fresh) // 2] if len(fresh) >= LEVEL_EVIDENCE else None
 
 
 @dataclass(slots=True)
@@ -168,14 +175,16 @@ class _Knee:
         """Base and knee again, from the levels with evidence (fresh ones only), lowest first:
         the knee is the first count whose median TTFT is over `SLOW_FACTOR` times the base."""
         base = slots = None
+        since = now - KNEE_STALE_S  # only what the levels show now, side by side
         for count in sorted(self.levels):
             level = self.levels[count]
-            if len(level.ttfts) < LEVEL_EVIDENCE or now - level.observed_at > KNEE_STALE_S:
+            median = level.median(since)
+            if median is None:
                 continue
             if base is None:
-                base = level.median
-            elif level.median > base * SLOW_FACTOR:
-                slots, self.queued_at, self.queued_s = count, level.observed_at, level.median
+                base = median
+            elif median > base * SLOW_FACTOR:
+                slots, self.queued_at, self.queued_s = count, level.observed_at, median
                 break
         self.base_s, self.slots = base, slots
 

@@ -18,7 +18,6 @@ from gateway.models import Chunk
 from gateway.providers.translate.items import (
     chat_to_response,
     finish,
-    function_call_item,
     message_item,
     new_id,
     reasoning_item,
@@ -26,6 +25,7 @@ from gateway.providers.translate.items import (
 )
 from gateway.providers.translate.responses import anthropic_response_to_openai
 from gateway.providers.translate.streams import AnthropicToOpenAIStream
+from gateway.providers.translate.tools import NO_TOOLS, ToolNames, custom_input
 from gateway.sse import frame
 
 
@@ -56,7 +56,7 @@ class _Item:
     __slots__ = ("body", "index", "kind", "parts")
 
     def __init__(self, kind: str, index: int, body: dict[str, Any]) -> None:
-        self.kind = kind  # reasoning | message | function_call
+        self.kind = kind  # reasoning | message | function_call | custom_tool_call
         self.index = index  # output_index
         self.body = body
         self.parts: list[str] = []
@@ -65,12 +65,18 @@ class _Item:
 class ResponsesEvents:
     """Emits the Responses event sequence for output that arrives piece by piece."""
 
-    __slots__ = ("_items", "_open", "_response", "_sequence", "_tools", "result")
+    __slots__ = ("_items", "_names", "_open", "_response", "_sequence", "_tools", "result")
 
     def __init__(
-        self, request: Mapping[str, Any], response_id: str, model: str, result: ResponsesResult
+        self,
+        request: Mapping[str, Any],
+        response_id: str,
+        model: str,
+        result: ResponsesResult,
+        names: ToolNames = NO_TOOLS,
     ) -> None:
         self._response = response_shell(request, response_id, model)
+        self._names = names  # what the chat names of the request's tools map back to
         self._sequence = 0
         self._items: list[_Item] = []
         self._open: _Item | None = None  # the reasoning or message item text goes into
@@ -133,21 +139,26 @@ class ResponsesEvents:
         item = self._tools.get(index)
         if item is None:
             out += self._close_open()
-            body = {
-                **function_call_item(call_id or new_id("call_"), name or "", ""),
-                "status": "in_progress",
-            }
-            item, added = self._add("function_call", body)
+            body = self._names.call_item(call_id or new_id("call_"), name or "", "")
+            body["status"] = "in_progress"
+            item, added = self._add(body["type"], body)
             self._tools[index] = item
             out += added
         elif name and not item.body["name"]:
-            item.body["name"] = name
+            named = self._names.call_item(item.body["call_id"], name, "")
+            named.update(id=item.body["id"], status="in_progress")
+            item.kind = named["type"]
+            item.body.clear()
+            item.body.update(named)
         if delta:
             item.parts.append(delta)
-            out += self._event(
-                "response.function_call_arguments.delta",
-                {"item_id": item.body["id"], "output_index": item.index, "delta": delta},
-            )
+            # A custom tool's input is inside the JSON of the function's arguments: it is
+            # sent whole once they are complete.
+            if item.kind == "function_call":
+                out += self._event(
+                    "response.function_call_arguments.delta",
+                    {"item_id": item.body["id"], "output_index": item.index, "delta": delta},
+                )
         return out
 
     def _close_open(self) -> bytes:
@@ -176,17 +187,7 @@ class ResponsesEvents:
     def complete(self, finish_reason: str | None, usage: object) -> bytes:
         out = self._close_open()
         for item in self._tools.values():
-            arguments = "".join(item.parts)
-            item.body["arguments"] = arguments
-            out += self._event(
-                "response.function_call_arguments.done",
-                {
-                    "item_id": item.body["id"],
-                    "output_index": item.index,
-                    "name": item.body["name"],
-                    "arguments": arguments,
-                },
-            )
+            out += self._call_done(item)
             out += self._item_done(item)
         self._tools.clear()
         response = self._response
@@ -195,6 +196,22 @@ class ResponsesEvents:
         self.result.response = response
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return out + self._event(kind, {"response": response})
+
+    def _call_done(self, item: _Item) -> bytes:
+        arguments = "".join(item.parts)
+        body = item.body
+        fields: dict[str, Any] = {"item_id": body["id"], "output_index": item.index}
+        if item.kind == "custom_tool_call":
+            text = body["input"] = custom_input(arguments)
+            out = self._event("response.custom_tool_call_input.delta", {**fields, "delta": text})
+            return out + self._event(
+                "response.custom_tool_call_input.done", {**fields, "input": text}
+            )
+        body["arguments"] = arguments
+        return self._event(
+            "response.function_call_arguments.done",
+            {**fields, "name": body["name"], "arguments": arguments},
+        )
 
     def fail(self, code: str, message: str) -> bytes:
         """A stream cut after it began: `error`, then `response.failed` with what was sent."""
@@ -327,8 +344,9 @@ def chat_body_to_response(
     response_id: str,
     model: str,
     result: ResponsesResult,
+    names: ToolNames = NO_TOOLS,
 ) -> bytes:
-    response = chat_to_response(data, request, response_id, model)
+    response = chat_to_response(data, request, response_id, model, names)
     result.response = response
     return orjson.dumps(response)
 
@@ -339,9 +357,10 @@ def anthropic_body_to_response(
     response_id: str,
     model: str,
     result: ResponsesResult,
+    names: ToolNames = NO_TOOLS,
 ) -> bytes:
     chat = orjson.loads(anthropic_response_to_openai(data, model=model))
-    return chat_body_to_response(chat, request, response_id, model, result)
+    return chat_body_to_response(chat, request, response_id, model, result, names)
 
 
 def native_body(data: dict[str, Any] | None, raw: bytes, result: ResponsesResult) -> bytes:

@@ -15,8 +15,23 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Final
 
+import orjson
+
 from gateway.numbers import count
-from gateway.providers.translate.requests import TranslationError
+from gateway.providers.translate.shapes import (
+    TranslationError,
+    optional_str,
+    required_str,
+    typed,
+)
+from gateway.providers.translate.tools import (
+    NO_TOOLS,
+    ToolNames,
+    UnsupportedTools,
+    chat_tool_choice,
+    chat_tools,
+    custom_arguments,
+)
 
 # Keys a Responses request may carry when translated, beyond the ones read below.
 _DROPPED: Final = frozenset(
@@ -31,6 +46,7 @@ _DROPPED: Final = frozenset(
         "background",
         "prompt_cache_retention",
         "max_tool_calls",
+        "client_metadata",  # the client's own bookkeeping (Codex CLI's ids), for OpenAI only
     }
 )
 _READ: Final = frozenset(
@@ -70,7 +86,16 @@ def new_id(prefix: str) -> str:
 
 
 def responses_request_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A Responses request (conversation already expanded) → a chat completions request."""
+    """A Responses request (conversation already expanded) → a chat completions request,
+    hosted tools dropped."""
+    return translate_responses_request(body)[0]
+
+
+def translate_responses_request(
+    body: Mapping[str, Any], unsupported_tools: UnsupportedTools = "drop"
+) -> tuple[dict[str, Any], ToolNames]:
+    """A Responses request (conversation already expanded) → a chat completions request, and
+    how its tools were named (what the answer's calls map back to, and what was dropped)."""
     for key in body:
         if key not in _READ and key not in _DROPPED:
             raise TranslationError(f"'{key}' is not supported by this upstream", param=key)
@@ -80,6 +105,10 @@ def responses_request_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
         raise TranslationError(
             "'max_tool_calls' is not supported by this upstream", param="max_tool_calls"
         )
+    names = NO_TOOLS
+    tools: list[dict[str, Any]] = []
+    if body.get("tools"):
+        tools, names = chat_tools(body["tools"], unsupported_tools)
     out: dict[str, Any] = {"model": body.get("model")}
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
@@ -87,15 +116,17 @@ def responses_request_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
         messages.append({"role": "system", "content": instructions})
     elif isinstance(instructions, list):
         messages.extend(chat_messages(instructions, param="instructions"))
-    messages.extend(chat_messages(body.get("input"), param="input"))
+    messages.extend(chat_messages(body.get("input"), param="input", names=names))
     if not messages:
         raise TranslationError("'input' must not be empty", param="input")
     out["messages"] = messages
-    if body.get("tools"):
-        out["tools"] = [_tool(tool, index) for index, tool in enumerate(body["tools"])]
-    if (choice := body.get("tool_choice")) is not None:
-        out["tool_choice"] = _tool_choice(choice)
-    for key in ("parallel_tool_calls", "temperature", "top_p", "prompt_cache_key"):
+    if tools:  # tool settings without tools are refused by OpenAI's chat: only with them
+        out["tools"] = tools
+        if (choice := body.get("tool_choice")) is not None:
+            out["tool_choice"] = chat_tool_choice(choice, names)
+        if body.get("parallel_tool_calls") is not None:
+            out["parallel_tool_calls"] = body["parallel_tool_calls"]
+    for key in ("temperature", "top_p", "prompt_cache_key"):
         if body.get(key) is not None:
             out[key] = body[key]
     if body.get("max_output_tokens") is not None:
@@ -120,12 +151,15 @@ def responses_request_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     if body.get("stream"):
         out["stream"] = True
         out["stream_options"] = {"include_usage": True}
-    return out
+    return out, names
 
 
-def chat_messages(items: object, *, param: str) -> list[dict[str, Any]]:
-    """Responses input (a string or items) → chat messages. Consecutive function calls (and
-    the assistant text before them) become one assistant message with `tool_calls`."""
+def chat_messages(
+    items: object, *, param: str, names: ToolNames = NO_TOOLS
+) -> list[dict[str, Any]]:
+    """Responses input (a string or items) → chat messages. Consecutive tool calls (and the
+    assistant text before them) become one assistant message with `tool_calls`; a call of a
+    namespaced or custom tool takes the name its tool was given on the chat wire (`names`)."""
     if items is None:
         return []
     if isinstance(items, str):
@@ -140,36 +174,77 @@ def chat_messages(items: object, *, param: str) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, where))
-        elif kind == "function_call":
-            call = {
-                "id": _required_str(item, "call_id", where),
-                "type": "function",
-                "function": {
-                    "name": _required_str(item, "name", where),
-                    "arguments": _optional_str(item, "arguments", where),
-                },
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in _CALLS:
+            _add_call(messages, _call(item, kind, where, names))
+        elif kind in _CALL_OUTPUTS:
+            # A local shell call's output names its call by `call_id`, or by `id` in the
+            # API reference's older shape.
+            call_id = item.get("call_id") if "call_id" in item else item.get("id")
             messages.append(
                 {
                     "role": "tool",
-                    "tool_call_id": _required_str(item, "call_id", where),
+                    "tool_call_id": required_str({"call_id": call_id}, "call_id", where),
                     "content": _output_text(item.get("output"), where),
                 }
             )
-        elif kind == "reasoning":
-            continue  # chat has no way to send reasoning back; the model reasons afresh
+        elif kind in _SKIPPED:
+            continue
         else:
             raise TranslationError(
-                f"input items of type '{kind}' are not supported by this upstream",
+                _REFUSED.get(kind, f"input items of type '{kind}' are not supported")
+                + " by this upstream",
                 param=f"{where}.type",
             )
     return messages
+
+
+# Input items a chat upstream cannot take back and needs not: it reasons afresh (reasoning,
+# `encrypted_content` included, is OpenAI's to read), and a web search call's results are in
+# the answer that followed it.
+_SKIPPED: Final = frozenset({"reasoning", "web_search_call"})
+_CALLS: Final = frozenset({"function_call", "custom_tool_call", "local_shell_call"})
+_CALL_OUTPUTS: Final = frozenset(
+    {"function_call_output", "custom_tool_call_output", "local_shell_call_output"}
+)
+_REFUSED: Final = {
+    "item_reference": (
+        "input items of type 'item_reference' point at items an upstream stored; a "
+        "translated conversation must carry the items themselves (send them, or continue it "
+        "with 'previous_response_id', which the gateway expands), and cannot be resolved"
+    ),
+    "compaction": (
+        "input items of type 'compaction' hold a conversation's history encrypted by the "
+        "upstream that compacted it; only that upstream can read it, not this one (compact "
+        "the conversation on the client instead)"
+    ),
+}
+
+
+def _call(item: dict[str, Any], kind: str, where: str, names: ToolNames) -> dict[str, Any]:
+    """A replayed tool call → a chat tool call."""
+    call_id = required_str(item, "call_id", where)
+    if kind == "local_shell_call":
+        action = item.get("action")
+        name, arguments = "local_shell", orjson.dumps(action if action is not None else {}).decode()
+    else:
+        namespace = item.get("namespace")
+        name = names.chat_name(
+            namespace if isinstance(namespace, str) and namespace else None,
+            required_str(item, "name", where),
+        )
+        if kind == "custom_tool_call":
+            arguments = custom_arguments(optional_str(item, "input", where))
+        else:
+            arguments = optional_str(item, "arguments", where)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _add_call(messages: list[dict[str, Any]], call: dict[str, Any]) -> None:
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -200,9 +275,9 @@ def _part(part: object, where: str) -> dict[str, Any]:
         raise TranslationError(f"'{where}' must be an object", param=where)
     kind = part.get("type")
     if kind in ("input_text", "output_text", "text"):
-        return {"type": "text", "text": _optional_str(part, "text", where)}
+        return {"type": "text", "text": optional_str(part, "text", where)}
     if kind == "refusal":
-        return {"type": "text", "text": _optional_str(part, "refusal", where)}
+        return {"type": "text", "text": optional_str(part, "refusal", where)}
     if kind == "input_image":
         url = part.get("image_url")
         if url is not None and not isinstance(url, str):
@@ -215,14 +290,14 @@ def _part(part: object, where: str) -> dict[str, Any]:
                 param=f"{where}.file_id",
             )
         image: dict[str, Any] = {"url": url}
-        if detail := _optional_str(part, "detail", where):
+        if detail := optional_str(part, "detail", where):
             image["detail"] = detail
         return {"type": "image_url", "image_url": image}
     if kind == "input_file":
         file: dict[str, Any] = {
             key: value
             for key in ("file_data", "file_id", "filename")
-            if (value := _optional_str(part, key, where))
+            if (value := optional_str(part, key, where))
         }
         if not file:
             raise TranslationError(
@@ -243,74 +318,10 @@ def _output_text(output: object, where: str) -> str:
             at = f"{where}.output[{index}]"
             if not isinstance(part, dict):
                 raise TranslationError(f"'{at}' must be an object", param=at)
-            texts.append(_optional_str(part, "text", at))
+            texts.append(optional_str(part, "text", at))
         return "".join(texts)
     raise TranslationError(
         f"'{where}.output' must be a string or an array", param=f"{where}.output"
-    )
-
-
-def _optional_str(item: dict[str, Any], key: str, where: str) -> str:
-    """`item[key]` when a string, "" when absent or null; any other type is refused."""
-    value = item.get(key)
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise TranslationError(f"'{where}.{key}' must be a string", param=f"{where}.{key}")
-    return value
-
-
-def _required_str(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or not value:
-        raise TranslationError(
-            f"'{where}.{key}' must be a non-empty string", param=f"{where}.{key}"
-        )
-    return value
-
-
-def _tool(tool: object, index: int) -> dict[str, Any]:
-    where = f"tools[{index}]"
-    if not isinstance(tool, dict):
-        raise TranslationError(f"'{where}' must be an object", param=where)
-    kind = tool.get("type")
-    if kind != "function":
-        raise TranslationError(
-            f"tools of type '{kind}' are only available from an upstream that serves the "
-            "Responses API natively; this one takes function tools only",
-            param=f"{where}.type",
-        )
-    function: dict[str, Any] = {"name": _required_str(tool, "name", where)}
-    _typed(tool, "description", str, "a string", where)
-    _typed(tool, "parameters", dict, "an object", where)
-    _typed(tool, "strict", bool, "a boolean", where)
-    for key in ("description", "parameters", "strict"):
-        if tool.get(key) is not None:
-            function[key] = tool[key]
-    return {"type": "function", "function": function}
-
-
-def _typed(item: dict[str, Any], key: str, kind: type, expected: str, where: str) -> None:
-    """Refuse `item[key]` when present, not null and not of the JSON type `kind`."""
-    value = item.get(key)
-    if value is not None and not isinstance(value, kind):
-        raise TranslationError(f"'{where}.{key}' must be {expected}", param=f"{where}.{key}")
-
-
-def _tool_choice(choice: object) -> object:
-    if choice in ("auto", "none", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {
-            "type": "function",
-            "function": {"name": _required_str(choice, "name", "tool_choice")},
-        }
-    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        mode = choice.get("mode")
-        return "required" if mode == "required" else "auto"
-    kind = choice.get("type") if isinstance(choice, dict) else choice
-    raise TranslationError(
-        f"tool_choice '{kind}' is not supported by this upstream", param="tool_choice"
     )
 
 
@@ -322,10 +333,10 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if kind == "json_schema":
         where = "text.format"
-        _typed(fmt, "description", str, "a string", where)
-        _typed(fmt, "schema", dict, "an object", where)
-        _typed(fmt, "strict", bool, "a boolean", where)
-        schema: dict[str, Any] = {"name": _optional_str(fmt, "name", where) or "response"}
+        typed(fmt, "description", str, "a string", where)
+        typed(fmt, "schema", dict, "an object", where)
+        typed(fmt, "strict", bool, "a boolean", where)
+        schema: dict[str, Any] = {"name": optional_str(fmt, "name", where) or "response"}
         for key in ("schema", "strict", "description"):
             if fmt.get(key) is not None:
                 schema[key] = fmt[key]
@@ -462,21 +473,15 @@ def reasoning_item(text: str) -> dict[str, Any]:
     }
 
 
-def function_call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    return {
-        "id": new_id("fc_"),
-        "type": "function_call",
-        "status": "completed",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-    }
-
-
 def chat_to_response(
-    data: Mapping[str, Any], request: Mapping[str, Any], response_id: str, model: str
+    data: Mapping[str, Any],
+    request: Mapping[str, Any],
+    response_id: str,
+    model: str,
+    names: ToolNames = NO_TOOLS,
 ) -> dict[str, Any]:
-    """A `chat.completion` (first choice) → the Response object."""
+    """A `chat.completion` (first choice) → the Response object; tool calls map back to the
+    request's tools by `names`."""
     response = response_shell(request, response_id, model)
     choices = data.get("choices") or [{}]
     choice = choices[0] if isinstance(choices[0], dict) else {}
@@ -500,7 +505,7 @@ def chat_to_response(
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
         output.append(
-            function_call_item(
+            names.call_item(
                 call.get("id") or new_id("call_"),
                 function.get("name") or "",
                 function.get("arguments") or "",
@@ -548,15 +553,17 @@ def output_items_as_input(response: Mapping[str, Any]) -> list[dict[str, Any]]:
                 if isinstance(p, dict)
             )
             items.append({"type": "message", "role": "assistant", "content": text})
-        elif kind == "function_call":
-            items.append(
-                {
-                    "type": "function_call",
-                    "call_id": item.get("call_id"),
-                    "name": item.get("name"),
-                    "arguments": item.get("arguments") or "",
-                }
-            )
+        elif kind in ("function_call", "custom_tool_call"):
+            payload = "arguments" if kind == "function_call" else "input"
+            call = {
+                "type": kind,
+                "call_id": item.get("call_id"),
+                "name": item.get("name"),
+                payload: item.get(payload) or "",
+            }
+            if item.get("namespace"):
+                call["namespace"] = item["namespace"]
+            items.append(call)
         # reasoning items are not replayed: chat upstreams cannot take them back
     return items
 

@@ -1,13 +1,17 @@
 """Request translation from the Anthropic Messages wire to the OpenAI chat wire, as dicts.
 
-`max_tokens` becomes `max_completion_tokens`; sampling hints chat has no place for (`top_k`,
-`thinking`) are dropped, and so are Anthropic's prompt-cache markers (`cache_control`, on the
-system prompt, content blocks and tools): no OpenAI-compatible server takes them. What chat
-cannot express raises `TranslationError` naming the field.
+`max_tokens` becomes `max_completion_tokens`; `thinking` and `output_config.effort` become
+`reasoning_effort`; a `system` message in the conversation stays where it is, as a chat `system`
+message; `metadata.user_id` becomes a hashed `safety_identifier`. Hints chat has no place for
+(`top_k`, `context_management`, betas) are dropped, and so are Anthropic's prompt-cache markers
+(`cache_control`, on the system prompt, content blocks and tools): where the caller says the
+upstream takes one, they become a `prompt_cache_key` instead. What chat cannot express raises
+`TranslationError` naming the field.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Final
 
 import orjson
@@ -16,14 +20,24 @@ from gateway.errors import quote
 from gateway.providers.translate.shapes import TranslationError, _dict, _list, _str
 
 _ANTHROPIC_UNTRANSLATABLE: Final = ("mcp_servers", "container")
+# Anthropic's effort levels → chat's `reasoning_effort` (its schema knows low, medium, high).
+_EFFORTS: Final[dict[str, str]] = {
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
+_SAFETY_IDENTIFIER_CHARS: Final = 64  # OpenAI's limit; a sha256 in hex is exactly that long
 
 
-def messages_request_to_openai(body: dict[str, Any]) -> dict[str, Any]:
+def messages_request_to_openai(body: dict[str, Any], *, cache_hint: bool = False) -> dict[str, Any]:
     """An Anthropic Messages request body → an OpenAI chat completions request body.
 
     `max_tokens` becomes `max_completion_tokens` (what OpenAI's reasoning models require and vLLM
-    accepts). Raises TranslationError for what chat completions cannot express (server tools,
-    MCP servers, images inside tool results, ...).
+    accepts). `cache_hint`: the upstream takes `prompt_cache_key`, and the body marks a prefix
+    with `cache_control` (the caller knows both cheaply). Raises TranslationError for what chat
+    completions cannot express (server tools, MCP servers, images inside tool results, ...).
     """
     for key in _ANTHROPIC_UNTRANSLATABLE:
         if body.get(key):
@@ -33,9 +47,10 @@ def messages_request_to_openai(body: dict[str, Any]) -> dict[str, Any]:
         out["model"] = body["model"]
     messages: list[dict[str, Any]] = []
     system = body.get("system")
+    system_text = ""
     if system:
-        text = system if isinstance(system, str) else _anthropic_text(system, "system")
-        messages.append({"role": "system", "content": text})
+        system_text = system if isinstance(system, str) else _anthropic_text(system, "system")
+        messages.append({"role": "system", "content": system_text})
     for i, message in enumerate(_list(body.get("messages"), "messages")):
         where = f"messages[{i}]"
         message = _dict(message, where)
@@ -46,9 +61,14 @@ def messages_request_to_openai(body: dict[str, Any]) -> dict[str, Any]:
             converted = _anthropic_assistant_to_openai(message.get("content"), where)
             if converted is not None:
                 messages.append(converted)
+        elif role == "system":
+            # Claude Code's sub-agents send instructions mid-conversation: kept in place.
+            content = message.get("content")
+            text = content if isinstance(content, str) else _anthropic_text(content, where)
+            messages.append({"role": "system", "content": text})
         else:
             raise TranslationError(
-                f"'{where}.role' must be user or assistant", param=f"{where}.role"
+                f"'{where}.role' must be user, assistant or system", param=f"{where}.role"
             )
     out["messages"] = messages
     if body.get("max_tokens") is not None:
@@ -64,9 +84,22 @@ def messages_request_to_openai(body: dict[str, Any]) -> dict[str, Any]:
         out["stream_options"] = {"include_usage": True}  # Anthropic clients always get usage
     elif body.get("stream") is not None:
         out["stream"] = False
+    effort = _reasoning_effort(body.get("thinking"), body.get("output_config"))
+    if effort is not None:
+        out["reasoning_effort"] = effort
     metadata = body.get("metadata")
-    if isinstance(metadata, dict) and metadata.get("user_id") is not None:
-        out["user"] = metadata["user_id"]
+    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if isinstance(user_id, str) and user_id:
+        # Anthropic takes 256 characters, OpenAI 64: a hash keeps it distinct and in bounds
+        # (and keeps an email address or the like from reaching a third party as sent).
+        out["safety_identifier"] = hashlib.sha256(user_id.encode()).hexdigest()[
+            :_SAFETY_IDENTIFIER_CHARS
+        ]
+    if cache_hint:
+        # Requests of one user (else one system prompt) share a cache key, so that the
+        # upstream routes them to the machine holding their prefix.
+        seed = user_id if isinstance(user_id, str) and user_id else system_text
+        out["prompt_cache_key"] = hashlib.sha256(b"prompt-cache:" + seed.encode()).hexdigest()[:32]
     tools = body.get("tools")
     if tools:
         out["tools"] = [_tool_to_openai(tool, i) for i, tool in enumerate(_list(tools, "tools"))]
@@ -89,6 +122,21 @@ def messages_request_to_openai(body: dict[str, Any]) -> dict[str, Any]:
             "json_schema": {"name": "output", "schema": schema, "strict": True},
         }
     return out
+
+
+def _reasoning_effort(thinking: object, output_config: object) -> str | None:
+    """`output_config.effort`, else the `thinking` budget, as chat's `reasoning_effort`; None
+    when neither asks for reasoning (adaptive thinking leaves it to the model)."""
+    if isinstance(output_config, dict):
+        effort = output_config.get("effort")
+        if isinstance(effort, str) and effort in _EFFORTS:
+            return _EFFORTS[effort]
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        return "medium"
+    return "low" if budget < 4096 else "medium" if budget < 16384 else "high"
 
 
 def _anthropic_text(blocks: object, param: str) -> str:

@@ -101,21 +101,32 @@ def _openai_usage(usage: object) -> dict[str, Any]:
 
 
 def _anthropic_usage(usage: object) -> dict[str, Any]:
-    """OpenAI usage → Anthropic usage: `input_tokens` excludes the part read from the cache
-    (`cache_read_input_tokens`) and the part written to it (`cache_creation_input_tokens`), each
-    present when not 0. A count that is not one (negative, a string, ...) counts as 0."""
+    """OpenAI usage → Anthropic usage, with every field Anthropic's schema requires:
+    `input_tokens` excludes the part read from the cache (`cache_read_input_tokens`) and the part
+    written to it (`cache_creation_input_tokens`, all counted as 5-minute writes: chat has no
+    TTLs); reasoning tokens are `output_tokens_details.thinking_tokens`. A count that is not one
+    (negative, a string, ...) counts as 0."""
     usage = usage if isinstance(usage, dict) else {}
     prompt = count(usage.get("prompt_tokens")) or 0
     cached, written = (n or 0 for n in openai_cache_tokens(usage))
-    out: dict[str, Any] = {
+    return {
         "input_tokens": max(prompt - cached - written, 0),
+        "cache_creation_input_tokens": written,
+        "cache_read_input_tokens": cached,
+        "cache_creation": {"ephemeral_5m_input_tokens": written, "ephemeral_1h_input_tokens": 0},
         "output_tokens": count(usage.get("completion_tokens")) or 0,
+        "output_tokens_details": _thinking_tokens(usage),
+        "server_tool_use": None,
+        "service_tier": None,
+        "inference_geo": None,
     }
-    if cached:
-        out["cache_read_input_tokens"] = cached
-    if written:
-        out["cache_creation_input_tokens"] = written
-    return out
+
+
+def _thinking_tokens(usage: dict[str, Any]) -> dict[str, int] | None:
+    """OpenAI's `completion_tokens_details.reasoning_tokens` as Anthropic's output details."""
+    details = usage.get("completion_tokens_details")
+    reasoning = count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
+    return None if reasoning is None else {"thinking_tokens": reasoning}
 
 
 def anthropic_response_to_openai(data: dict[str, Any], *, model: str) -> bytes:
@@ -177,8 +188,14 @@ def _message_text(content: object) -> str:
     return ""
 
 
+TOOL_CALLER: Final = {"type": "direct"}
+"""Who called a tool, as Anthropic's schema requires it on a `tool_use` block: the model."""
+
+
 def openai_response_to_anthropic(data: dict[str, Any], *, model: str) -> bytes:
-    """A `chat.completion` → Messages response JSON bytes (first choice only).
+    """A `chat.completion` → Messages response JSON bytes (first choice only), with every field
+    Anthropic's schema requires (`citations`, `caller`, `stop_details` and `container` as null
+    or their defaults: chat has none of them).
 
     Tool-call arguments that are not a JSON object (cut off by `max_tokens`) become `{}`.
     """
@@ -191,9 +208,9 @@ def openai_response_to_anthropic(data: dict[str, Any], *, model: str) -> bytes:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     text = _message_text(message.get("content"))
     if text:
-        content.append({"type": "text", "text": text})
+        content.append({"type": "text", "text": text, "citations": None})
     if message.get("refusal"):
-        content.append({"type": "text", "text": message["refusal"]})
+        content.append({"type": "text", "text": message["refusal"], "citations": None})
     calls = list(message.get("tool_calls") or ())
     if message.get("function_call"):
         calls.append({"function": message["function_call"]})
@@ -205,6 +222,7 @@ def openai_response_to_anthropic(data: dict[str, Any], *, model: str) -> bytes:
                 "id": _tool_id(call.get("id")),
                 "name": function.get("name") or "",
                 "input": _arguments(function.get("arguments")) or {},
+                "caller": TOOL_CALLER,
             }
         )
     return orjson.dumps(
@@ -216,6 +234,8 @@ def openai_response_to_anthropic(data: dict[str, Any], *, model: str) -> bytes:
             "content": content,
             "stop_reason": anthropic_stop_reason(choice.get("finish_reason")),
             "stop_sequence": None,
+            "stop_details": None,
             "usage": _anthropic_usage(data.get("usage")),
+            "container": None,
         }
     )

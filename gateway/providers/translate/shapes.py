@@ -39,3 +39,29 @@ def _parse_data_url(url: str, param: str) -> tuple[str, str]:
     if not comma or encoding != "base64" or not media_type:
         raise TranslationError(f"'{param}' must be a base64 data URL", param=param)
     return media_type, data
+
+
+def optional_str(item: dict[str, Any], key: str, where: str) -> str:
+    """`item[key]` when a string, "" when absent or null; any other type is refused."""
+    value = item.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TranslationError(f"'{where}.{key}' must be a string", param=f"{where}.{key}")
+    return value
+
+
+def required_str(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise TranslationError(
+            f"'{where}.{key}' must be a non-empty string", param=f"{where}.{key}"
+        )
+    return value
+
+
+def typed(item: dict[str, Any], key: str, kind: type, expected: str, where: str) -> None:
+    """Refuse `item[key]` when present, not null and not of the JSON type `kind`."""
+    value = item.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise TranslationError(f"'{where}.{key}' must be {expected}", param=f"{where}.{key}")

@@ -17,9 +17,12 @@ from gateway.models import Chunk, InBandError
 from gateway.numbers import count
 from gateway.providers.decode import ANTHROPIC_ERROR_STATUS, openai_cache_tokens
 from gateway.providers.translate.responses import (
+    TOOL_CALLER,
     _anthropic_id,
+    _anthropic_usage,
     _openai_id,
     _openai_usage,
+    _thinking_tokens,
     _tool_id,
     anthropic_stop_reason,
     openai_finish_reason,
@@ -253,7 +256,7 @@ _TEXT_DELTA: Final = b'{"type":"text_delta","text":'
 _THINKING_DELTA: Final = b'{"type":"thinking_delta","thinking":'
 _JSON_DELTA: Final = b'{"type":"input_json_delta","partial_json":'
 _EMPTY_BLOCKS: Final[dict[str, bytes]] = {
-    "text": b'{"type":"text","text":""}',
+    "text": b'{"type":"text","text":"","citations":null}',
     "thinking": b'{"type":"thinking","thinking":"","signature":""}',
 }
 
@@ -264,7 +267,8 @@ class OpenAIToAnthropicStream:
     Text, reasoning and each tool call get their own content block, opened when their first delta
     arrives; `[DONE]` closes the open block and sends `message_delta` (stop reason and usage,
     remembered from the upstream's finish and usage chunks) and `message_stop`. The upstream must
-    be asked for `stream_options.include_usage`, or output tokens are reported as 0.
+    be asked for `stream_options.include_usage`, or output tokens are reported as 0. Every event
+    carries the fields Anthropic's schema requires, null where chat has no counterpart.
     """
 
     __slots__ = (
@@ -281,6 +285,7 @@ class OpenAIToAnthropicStream:
         "_open",
         "_output_tokens",
         "_started",
+        "_thinking_tokens",
         "_tools",
     )
 
@@ -299,6 +304,7 @@ class OpenAIToAnthropicStream:
         self._cached_tokens = 0
         self._cache_write_tokens = 0
         self._output_tokens = 0
+        self._thinking_tokens: dict[str, int] | None = None
 
     def feed(self, chunk: Chunk) -> bytes:
         if self._finished:
@@ -347,6 +353,7 @@ class OpenAIToAnthropicStream:
             self._cached_tokens = cached
             self._cache_write_tokens = written
         self._output_tokens = count(usage.get("completion_tokens")) or self._output_tokens
+        self._thinking_tokens = _thinking_tokens(usage) or self._thinking_tokens
 
     def _message_start(self, data: dict[str, Any]) -> bytes:
         self._started = True
@@ -358,7 +365,9 @@ class OpenAIToAnthropicStream:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self._input_tokens or 0, "output_tokens": 0},
+            "stop_details": None,
+            "usage": _anthropic_usage({"prompt_tokens": self._input_tokens or 0}),
+            "container": None,
         }
         return frame(
             orjson.dumps({"type": "message_start", "message": message}), event="message_start"
@@ -400,6 +409,7 @@ class OpenAIToAnthropicStream:
                     "id": _tool_id(call.get("id")),
                     "name": function.get("name") or "",
                     "input": {},
+                    "caller": TOOL_CALLER,
                 }
             )
             out = self._open_block("tool", block_body)
@@ -420,18 +430,22 @@ class OpenAIToAnthropicStream:
         self._finished = True
         out = b"" if self._started else self._message_start({})
         out += self._close()
-        usage: dict[str, Any] = {"output_tokens": self._output_tokens}
-        if self._input_tokens is not None:
-            usage["input_tokens"] = self._input_tokens
-            if self._cached_tokens:
-                usage["cache_read_input_tokens"] = self._cached_tokens
-            if self._cache_write_tokens:
-                usage["cache_creation_input_tokens"] = self._cache_write_tokens
+        # Cumulative counts; without an upstream usage chunk the input is unknown (null).
+        usage: dict[str, Any] = {
+            "input_tokens": self._input_tokens,
+            "cache_creation_input_tokens": self._cache_write_tokens,
+            "cache_read_input_tokens": self._cached_tokens,
+            "output_tokens": self._output_tokens,
+            "output_tokens_details": self._thinking_tokens,
+            "server_tool_use": None,
+        }
         delta = {
             "type": "message_delta",
             "delta": {
                 "stop_reason": anthropic_stop_reason(self._finish_reason),
                 "stop_sequence": None,
+                "stop_details": None,
+                "container": None,
             },
             "usage": usage,
         }
