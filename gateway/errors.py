@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from typing import Final
 
 import orjson
 
@@ -346,13 +347,35 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     408: "timeout_error",
-    413: "request_too_large",
-    431: "request_too_large",
+    413: "invalid_request_error",  # the schema has no `request_too_large`; the status says it
+    431: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
     529: "overloaded_error",
 }
+
+
+_RETRY_HELPS: Final = frozenset({408, 409, 429})  # and every 5xx
+RETRY_AFTER_S: Final = 1  # when a retry helps and nothing says how long to wait
+
+
+def should_retry(status: int) -> bool:
+    """Whether sending the same request again may succeed: not when the request itself, its key
+    or its target is wrong (400, 401, 403, 404, 413, ...), only when the refusal was about the
+    moment (a timeout, a conflict, a rate limit, a failure on the way)."""
+    return status in _RETRY_HELPS or status >= 500
+
+
+def answer_headers(error: GatewayError) -> dict[str, str]:
+    """The headers an error answers with: its own, plus the retry hints its status implies
+    (`x-should-retry`, which the OpenAI and Anthropic SDKs obey, and `retry-after` when a retry
+    helps), unless the error set them itself."""
+    headers = dict(error.headers)
+    retry = headers.setdefault("x-should-retry", "true" if should_retry(error.status) else "false")
+    if retry == "true":
+        headers.setdefault("retry-after", str(RETRY_AFTER_S))
+    return headers
 
 
 def openai_body(error: GatewayError) -> dict[str, object]:
@@ -366,13 +389,17 @@ def openai_body(error: GatewayError) -> dict[str, object]:
     }
 
 
-def anthropic_body(error: GatewayError) -> dict[str, object]:
+def anthropic_body(error: GatewayError, request_id: str | None = None) -> dict[str, object]:
     kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    return {
+        "type": "error",
+        "error": {"type": kind, "message": error.message},
+        "request_id": request_id,
+    }
 
 
-def render(error: GatewayError, wire: Wire) -> bytes:
-    body = anthropic_body(error) if wire == "anthropic" else openai_body(error)
+def render(error: GatewayError, wire: Wire, request_id: str | None = None) -> bytes:
+    body = anthropic_body(error, request_id) if wire == "anthropic" else openai_body(error)
     return orjson.dumps(body)
 
 

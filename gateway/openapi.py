@@ -19,6 +19,7 @@ from typing import Any, Final, get_args
 import yaml
 
 from gateway.config import Priority, Settings
+from gateway.errors import should_retry
 from gateway.routing.plan import Route
 
 Document = dict[str, Any]
@@ -183,12 +184,11 @@ def _error_responses() -> Document:
                     schema = {"anyOf": [schema, {"$ref": "#/components/schemas/OpenAIError"}]}
             if status == 401:
                 headers["www-authenticate"] = _header("WWWAuthenticate")
-            if status in (429, 503):
+            if should_retry(status):
                 headers["retry-after"] = _header("RetryAfter")
             if status == 429:
                 headers.update({n: _header(c) for n, c in _RATE_LIMIT_HEADERS[errors].items()})
-            if status >= 429:
-                headers["x-should-retry"] = _header("ShouldRetry")
+            headers["x-should-retry"] = _header("ShouldRetry")
             responses[f"{errors}{status}"] = {
                 "description": description,
                 "headers": headers,

@@ -46,6 +46,7 @@ from gateway.errors import (
     HeadersTooLargeError,
     InvalidRequestError,
     RequestTimeoutError,
+    answer_headers,
     render,
 )
 
@@ -408,9 +409,13 @@ class GuardedHttpToolsProtocol(BoundedPipelineProtocol):
             self.flow.pause_reading()
             return
         body = render(error, "openai")
+        hints = b"".join(
+            b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in answer_headers(error).items()
+        )
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (error.status, _REASONS[error.status], len(body), body)
+            b"%sconnection: close\r\n\r\n%s"
+            % (error.status, _REASONS[error.status], len(body), hints, body)
         )
         self.close_after_answer()
 

@@ -99,7 +99,7 @@ async def test_refused_and_failed_requests_get_a_line(
     upstream: Upstream, client: httpx.AsyncClient, access: pytest.LogCaptureFixture
 ) -> None:
     """An unknown model (404) and an upstream failure (502) are logged too, with their status and
-    error; the unknown name itself is not echoed as the model."""
+    error, and the model the client asked for, even the unknown one (cut when it is long)."""
     settings = gateway_settings(
         {"up": {"type": "vllm", "base_url": upstream.base_url}},
         [
@@ -118,19 +118,25 @@ async def test_refused_and_failed_requests_get_a_line(
             json={"model": "bad", **CHAT},
             headers={"x-request-id": "req-502"},
         )
-        await counted(client, gw.url, 2)
+        huge = await client.post(
+            gw.base_url + "/chat/completions",
+            json={"model": "x" * 100_000, **CHAT},
+            headers={"x-request-id": "req-huge"},
+        )
+        await counted(client, gw.url, 3)
         found = {line["request_id"]: line for line in lines(access)}
-    assert (unknown.status_code, failed.status_code) == (404, 502)
+    assert (unknown.status_code, failed.status_code, huge.status_code) == (404, 502, 404)
     assert found["req-404"]["status"] == 404
     assert found["req-404"]["error"] == "model_not_found"
-    assert found["req-404"]["model"] == ""
+    assert found["req-404"]["model"] == ""  # no configured model: nothing in metrics either
+    assert found["req-404"]["requested_model"] == "no-such-model"
+    assert found["req-huge"]["requested_model"] == "x" * 256
     assert found["req-502"]["status"] == 502
     assert found["req-502"]["model"] == "bad"
     assert found["req-502"]["error"]
     assert found["req-502"]["deployment"] is None
     for record in access.records:
         assert "SECRET-PROMPT" not in record.getMessage()
-        assert "no-such-model" not in record.getMessage()
 
 
 async def test_access_log_can_be_turned_off(

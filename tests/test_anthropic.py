@@ -821,7 +821,8 @@ async def test_unknown_model_on_messages_is_anthropic_shaped(open_gateway: OpenG
             "/v1/messages", json={"model": "nope", "max_tokens": 50, "messages": MESSAGES}
         )
     assert caught.value.status_code == 404
-    assert set(response.json()) == {"type", "error"}
+    assert set(response.json()) == {"type", "error", "request_id"}
+    assert response.json()["request_id"] == response.headers["x-request-id"]
     assert response.json()["type"] == "error"
     assert set(response.json()["error"]) == {"type", "message"}
     assert response.json()["error"]["type"] == "not_found_error"

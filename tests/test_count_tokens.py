@@ -431,6 +431,7 @@ async def test_a_model_outside_the_keys_scope_is_a_404(fake: tuple[AnthropicFake
             "type": "not_found_error",
             "message": "The model 'secret' does not exist. Available models: c.",
         },
+        "request_id": hidden.value.response.headers["x-request-id"],
     }
     assert hidden_openai.value.code == "model_not_found"
     assert hidden_openai.value.param == "model"

@@ -233,18 +233,32 @@ async def test_conversation_continues_across_a_failover(
     ]
 
 
-async def test_stream_cut_after_commit_ends_failed(client: openai.AsyncOpenAI) -> None:
+async def _cut_stream(base_url: str, model: str) -> list[dict[str, Any]]:
+    """The events of a stream that is cut after commit, as sent, checking that the SDK raises
+    the `error` event as an APIError (as it does for OpenAI's own)."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0) as sdk:
+        stream = await sdk.responses.create(model=model, input="Hi", stream=True)
+        with pytest.raises(openai.APIError) as raised:
+            async for _ in stream:
+                pass
+    assert "upstream" in raised.value.message
+    async with httpx.AsyncClient() as http:
+        body = {"model": model, "input": "Hi", "stream": True}
+        sent = await http.post(base_url + "/responses", json=body)
+    return [json.loads(line[6:]) for line in sent.text.splitlines() if line.startswith("data: ")]
+
+
+async def test_stream_cut_after_commit_ends_failed(gateway: Gateway) -> None:
     """An upstream failing mid-stream ends the stream with `error` and `response.failed`."""
-    stream = await client.responses.create(model="claude-cut", input="Hi", stream=True)
-    events = [event async for event in stream]
-    kinds = [event.type for event in events]
+    events = await _cut_stream(gateway.base_url, "claude-cut")
+    kinds = [event["type"] for event in events]
     assert "response.completed" not in kinds
     assert kinds[-2:] == ["error", "response.failed"]
-    failed = events[-1]
-    assert isinstance(failed, ResponseFailedEvent)
+    assert events[-2]["error"]["code"] == events[-2]["code"] == "upstream_stream_error"
+    failed = ResponseFailedEvent.model_validate(events[-1])
     assert failed.response.status == "failed"
     assert failed.response.error is not None
-    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
 
 async def test_retrieve_and_delete(client: openai.AsyncOpenAI) -> None:
@@ -397,12 +411,11 @@ async def test_native_stream_is_forwarded_and_a_cut_ends_failed(
         assert "".join(
             e.delta for e in events if e.type == "response.output_text.delta"
         ) == "".join(WORDS)
-        stream = await sdk.responses.create(model="native-cut", input="Hi", stream=True)
-        cut = [event async for event in stream]
-    kinds = [event.type for event in cut]
+    cut = await _cut_stream(gateway.base_url, "native-cut")
+    kinds = [event["type"] for event in cut]
     assert kinds[-2:] == ["error", "response.failed"]
     assert "response.completed" not in kinds
-    assert [e.sequence_number for e in cut] == list(range(len(cut)))
+    assert [e["sequence_number"] for e in cut] == list(range(len(cut)))
 
 
 async def test_a_ttft_budget_fails_a_slow_stream_over(gateway: Gateway) -> None:

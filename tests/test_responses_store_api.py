@@ -70,15 +70,15 @@ async def test_a_response_too_large_to_store_says_so() -> None:
     """Over `max_bytes_per_response`: the answer carries `x-tailguard-stored: false`, and its
     id's GET and continuation name the limit instead of a bare "not found"."""
     async with (
-        run_gateway(settings({"max_bytes_per_response": 1024})) as gw,
+        run_gateway(settings({"max_bytes_per_response": 2048})) as gw,
         httpx.AsyncClient(base_url=gw.url) as http,
     ):
-        created = await create(http, input="x" * 2000)
+        created = await create(http, input="x" * 4000)
         assert created.headers["x-tailguard-stored"] == "false"
         rid = created.json()["id"]
         fetched = await http.get(f"/v1/responses/{rid}")
         assert fetched.status_code == 404
-        assert "responses.max_bytes_per_response (1024 bytes)" in error_of(fetched)["message"]
+        assert "responses.max_bytes_per_response (2048 bytes)" in error_of(fetched)["message"]
         for stream in (False, True):
             continued = await http.post(
                 "/v1/responses",

@@ -198,6 +198,18 @@ def _add_routes(app: FastAPI) -> None:
     async def delete_stored_response(request: Request) -> Response:
         return await _stored(request, delete_response)
 
+    class NotServed:
+        """A POST under /v1/responses/ (`/compact`, `/{id}/cancel`) names an endpoint the
+        gateway does not serve: a 404 that says so, not a 405 as if a stored response were
+        the resource (clients fall back on a 404)."""
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            raise StarletteHTTPException(404, "Not Found")
+
+    app.router.routes.append(
+        Route("/v1/responses/{rest:path}", NotServed(), methods=["POST"], include_in_schema=False)
+    )
+
     @app.get("/v1/responses/{response_id}/input_items", responses=_NOT_STORED)
     async def response_input_items(request: Request) -> Response:
         limit = request.query_params.get("limit", "20")

@@ -163,8 +163,26 @@ def _as_item(item: Any) -> dict[str, Any]:
         out.setdefault("status", "completed")
         content = out.get("content")
         if isinstance(content, str):
-            part = "output_text" if out.get("role") == "assistant" else "input_text"
-            out["content"] = [{"type": part, "text": content}]
+            content = [
+                {
+                    "type": "output_text" if out.get("role") == "assistant" else "input_text",
+                    "text": content,
+                }
+            ]
+        if isinstance(content, list):
+            out["content"] = [_as_part(part) for part in content]
     else:
         out.setdefault("id", new_id("fc_" if kind == "function_call" else "item_"))
     return out
+
+
+def _as_part(part: Any) -> Any:
+    """A content part with the fields the API lists it with (that a request may leave out)."""
+    if not isinstance(part, dict):
+        return part
+    kind = part.get("type")
+    if kind == "output_text" and "annotations" not in part:
+        return {**part, "annotations": []}
+    if kind == "input_image" and part.get("detail") is None:
+        return {**part, "detail": "auto"}
+    return part

@@ -90,11 +90,11 @@ async def serve_count(request: Request, wire: Wire) -> Response:
     try:
         admission.enter(ctx.principal)
     except GatewayError as error:
-        return error_response(error, wire)
+        return error_response(error, wire, ctx.request_id)
     try:
         return await _count(runtime, ctx, request, wire)
     except GatewayError as error:
-        return error_response(error, wire)
+        return error_response(error, wire, ctx.request_id)
     except ClientGoneError:
         return Response(status_code=499)  # nobody reads it: the client left
     finally:

@@ -45,6 +45,7 @@ LLM_ROUTES: dict[str, Endpoint] = {
 }
 # With keys configured: /v1/* needs a client key, the rest of these an admin key.
 _GUARDED_PREFIXES = ("/v1/", "/admin/", "/dashboard")
+REQUESTED_CHARS = 256  # of a requested model name kept for the access log (a name may be huge)
 _CONTEXT = "tailguard.context"  # the scope key of a framework-served request's context
 
 
@@ -58,7 +59,8 @@ class RequestContext:
     path: str
     principal: Principal | None = None  # the key it came with (when keys are configured)
     model: str = ""  # the configured model it names, once known
-    requested: str = ""  # the name it was asked for: `model`, or one of its aliases
+    # The name it asked for (`model`, one of its aliases, or a name no model has), cut.
+    requested: str = ""
 
 
 def context_of(scope: Scope) -> RequestContext:
@@ -147,8 +149,10 @@ async def serve_llm(
             # charge: the key pays for what is sent upstream.
             call, ticket = await admit(runtime, ctx.principal, scope, receive, endpoint)
             services = runtime.services  # after the last await: the request keeps these
+            # Known before the name is looked up: a refusal's access line names it too.
+            ctx.requested = call.model[:REQUESTED_CHARS]
             spec, call = model_of(services, call, ctx.principal)
-            ctx.model, ctx.requested = spec.name, call.model
+            ctx.model = spec.name
             decision = resolve(
                 services, call, spec, scope, request_id=ctx.request_id, arrived=ctx.arrived
             )

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Send
 
-from gateway.errors import GatewayError, quote, render
+from gateway.errors import GatewayError, answer_headers, quote, render
 from gateway.models import Wire
 
 log = logging.getLogger("tailguard")
@@ -28,24 +28,24 @@ def wire_of(path: str) -> Wire:
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
-def error_response(error: GatewayError, wire: Wire) -> Response:
+def error_response(error: GatewayError, wire: Wire, request_id: str | None = None) -> Response:
     return Response(
-        render(error, wire),
+        render(error, wire, request_id),
         status_code=error.status,
-        headers=error.headers,
+        headers=answer_headers(error),
         media_type="application/json",
     )
 
 
 async def send_error(send: Send, error: GatewayError, wire: Wire, request_id: str) -> None:
     """Answer with `error` (status, headers and body), carrying the request id."""
-    body = render(error, wire)
+    body = render(error, wire, request_id)
     headers = [
         (b"content-type", _JSON),
         (b"content-length", str(len(body)).encode()),
         (b"x-request-id", request_id.encode()),
     ]
-    headers += [(k.encode(), v.encode()) for k, v in error.headers.items()]
+    headers += [(k.encode(), v.encode()) for k, v in answer_headers(error).items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

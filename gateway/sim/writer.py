@@ -78,7 +78,7 @@ class ReplyWriter:
             + str(int(time.time())).encode()
             + b',"model":'
             + plan.target.model_json
-            + (b',"system_fingerprint":null,"choices":' if chat else b',"choices":')
+            + b',"choices":'  # no `system_fingerprint`: the schema wants a string or nothing
         )
         tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
         return StreamHead(head, tail, head + b'[],"usage":' if include_usage else None)
@@ -142,7 +142,6 @@ class ReplyWriter:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
-            "system_fingerprint": None,
             "choices": [_chat_choice(i, plan) for i, plan in enumerate(plans)],
             "usage": usage,
         }

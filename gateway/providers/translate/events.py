@@ -29,6 +29,20 @@ from gateway.providers.translate.tools import NO_TOOLS, ToolNames, custom_input
 from gateway.sse import frame
 
 
+def error_fields(code: str, message: str) -> dict[str, Any]:
+    """An `error` event's fields: flat, as OpenAI's reference spells them, and under `error`, as
+    the Open Responses specification and OpenAI's SDKs read them (they raise it as an APIError)."""
+    flat = {"code": code, "message": message, "param": None}
+    return {**flat, "error": {"type": "server_error", **flat}}
+
+
+def response_error(code: str, message: str) -> dict[str, str]:
+    """A failed Response's `error`: its code from the API's own list (the SDKs type it so), the
+    gateway's own code (in the `error` event) told in the message."""
+    known = code if code in ("server_error", "rate_limit_exceeded") else "server_error"
+    return {"code": known, "message": message if known == code else f"{code}: {message}"}
+
+
 class ResponsesResult:
     """The Response object a translator finished, if it did: what the store keeps."""
 
@@ -203,9 +217,9 @@ class ResponsesEvents:
         """A stream cut after it began: `error`, then `response.failed` with what was sent."""
         response = copy.copy(self._response)
         response["status"] = "failed"
-        response["error"] = {"code": code, "message": message}
+        response["error"] = response_error(code, message)
         response["output"] = [item.body for item in self._items]
-        out = self._event("error", {"code": code, "message": message, "param": None})
+        out = self._event("error", error_fields(code, message))
         return out + self._event("response.failed", {"response": response})
 
 
@@ -313,14 +327,9 @@ class ResponsesPassthrough:
         response = {
             **self._response,
             "status": "failed",
-            "error": {"code": code, "message": message},
+            "error": response_error(code, message),
         }
-        error = {
-            "type": "error",
-            "sequence_number": self._sequence,
-            "code": code,
-            "message": message,
-        }
+        error = {"type": "error", "sequence_number": self._sequence, **error_fields(code, message)}
         failed = {
             "type": "response.failed",
             "sequence_number": self._sequence + 1,

@@ -368,7 +368,9 @@ def responses_usage(usage: object) -> dict[str, Any]:
 
 
 def response_shell(request: Mapping[str, Any], response_id: str, model: str) -> dict[str, Any]:
-    """The Response object's fields that echo the request, with no output yet."""
+    """The Response object's fields that echo the request, with no output yet: every field the
+    Open Responses specification requires, with the defaults the upstream applied where the
+    request left a setting out (sampling at 1, no penalties)."""
     text = request.get("text")
     fmt = text.get("format") if isinstance(text, dict) else None
     reasoning = request.get("reasoning")
@@ -376,37 +378,75 @@ def response_shell(request: Mapping[str, Any], response_id: str, model: str) -> 
         "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
+        "completed_at": None,
         "status": "in_progress",
         "background": False,
         "error": None,
         "incomplete_details": None,
         "instructions": request.get("instructions"),
         "max_output_tokens": request.get("max_output_tokens"),
+        "max_tool_calls": request.get("max_tool_calls"),
         "model": model,
         "output": [],
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
         "previous_response_id": request.get("previous_response_id"),
         "reasoning": {
             "effort": reasoning.get("effort") if isinstance(reasoning, dict) else None,
-            "summary": None,
+            "summary": _string(reasoning.get("summary")) if isinstance(reasoning, dict) else None,
         },
         "store": request.get("store", True) is not False,
-        "temperature": request.get("temperature"),
+        "temperature": _number(request.get("temperature"), 1.0),
+        "top_p": _number(request.get("top_p"), 1.0),
+        "presence_penalty": _number(request.get("presence_penalty"), 0.0),
+        "frequency_penalty": _number(request.get("frequency_penalty"), 0.0),
+        "top_logprobs": _integer(request.get("top_logprobs"), 0),
+        "service_tier": "default",
         "text": {"format": fmt if isinstance(fmt, dict) else {"type": "text"}},
         "tool_choice": request.get("tool_choice", "auto"),
-        "tools": list(request.get("tools") or ()),
-        "top_p": request.get("top_p"),
+        "tools": _echoed_tools(request.get("tools")),
         "truncation": "disabled",
         "usage": None,
-        "user": request.get("user"),
+        "safety_identifier": _string(request.get("safety_identifier")),
+        "prompt_cache_key": _string(request.get("prompt_cache_key")),
         "metadata": request.get("metadata") or {},
-    }
+    } | ({"user": user} if isinstance(user := request.get("user"), str) else {})
+
+
+def _number(value: object, default: float) -> float:
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+
+def _integer(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _string(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _echoed_tools(tools: object) -> list[dict[str, Any]]:
+    """The function tools the model was offered, each with every field the Response object
+    spells out (null where the request left one out)."""
+    if not isinstance(tools, list):
+        return []
+    return [
+        {
+            "type": "function",
+            "name": tool.get("name"),
+            "description": tool.get("description"),
+            "parameters": tool.get("parameters"),
+            "strict": tool.get("strict"),
+        }
+        for tool in tools
+        if isinstance(tool, dict) and tool.get("type") == "function"
+    ]
 
 
 def finish(response: dict[str, Any], finish_reason: str | None, usage: object) -> None:
     """Mark a Response done: completed, or incomplete with the reason chat gave."""
     reason = _FINISHED.get(finish_reason or "")
     response["status"] = "incomplete" if reason else "completed"
+    response["completed_at"] = None if reason else int(time.time())
     response["incomplete_details"] = {"reason": reason} if reason else None
     response["usage"] = responses_usage(usage)
 
