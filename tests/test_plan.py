@@ -537,12 +537,13 @@ def test_hedge_point_is_as_early_as_the_successors_tail_needs_when_the_budget_is
 
 
 def test_an_attempt_that_is_long_not_late_is_not_hedged() -> None:
-    """A long prompt whose typical first token (p50 0.7 s) comes after the latest hedge point
-    but before a hedge started then would land is not hedged: the hedge would mostly lose, its
-    prefill thrown away. A short prompt on the same deployment, late by then, is."""
+    """A long prompt whose p90 first token (0.76 s) comes after the latest point a hedge could
+    start and still land (0.604 s) is not hedged: a hedge then would start for more than a
+    tenth of such prompts and mostly lose, its prefill thrown away. A short prompt on the same
+    deployment, late by then, is hedged."""
     long_prompt = cand("a", MetricStats(700.0, 760.0, 800.0, 900.0, 100, True))
     successor = cand("b", MetricStats(360.0, 360.0, 360.0, 360.0, 100, True))
-    assert hedge_point(1.0, long_prompt, successor) == pytest.approx(1.0 - 0.396)
+    assert hedge_point(1.0, long_prompt, successor) is None
     assert rescue_point(1.0, long_prompt, successor, hedge=True) is None
     short = cand("a", MetricStats(180.0, 250.0, 300.0, 900.0, 100, True))
     assert rescue_point(1.0, short, successor, hedge=True) == pytest.approx(1.0 - 0.396)
@@ -555,9 +556,12 @@ def test_hedge_point_is_the_deadline_when_the_budget_is_not_tight() -> None:
 
 
 def test_hedge_point_ignores_a_p95_later_than_the_deadline() -> None:
-    """Tight, but the p95 comes after the deadline: hedge at the deadline."""
-    a = cand("a", metric(900.0, p95=800.0))
+    """Tight, but the p95 comes after the deadline: hedge at the deadline, when that is past
+    the attempt's p90; before it, no hedge (it would be a guess on more than a tenth)."""
+    a = cand("a", metric(900.0, p95=800.0, p90=600.0))
     assert hedge_point(1.0, a, cand("b", FAST)) == pytest.approx(0.67)
+    late = cand("a", metric(900.0, p95=800.0, p90=700.0))
+    assert hedge_point(1.0, late, cand("b", FAST)) is None
 
 
 # --- candidate order -----------------------------------------------------------------------------

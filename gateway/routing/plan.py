@@ -287,21 +287,27 @@ def hedge_point(
         need = median * SUCCESSOR_MARGIN
     at = remaining_s - need
     soon, p99 = candidate.ttft_quantile_s(early), candidate.ttft_p99_s
-    if soon is not None and p99 is not None and p99 + need > remaining_s and soon < at:
-        # Early enough for the successor's tail to land as well, but no earlier: a hedge
-        # started while the attempt is only slower than usual mostly loses to it, and one of
-        # the two prefills is thrown away.
-        tail = successor.ttft_p99_s or typical  # no tail known: none to wait for
-        safe = remaining_s - tail * SUCCESSOR_MARGIN
-        return min(at, max(soon, safe))
+    if soon is not None and p99 is not None and p99 + need > remaining_s:
+        if soon < at:
+            # Early enough for the successor's tail to land as well, but no earlier: a hedge
+            # started while the attempt is only slower than usual mostly loses to it, and one
+            # of the two prefills is thrown away.
+            tail = successor.ttft_p99_s or typical  # no tail known: none to wait for
+            safe = remaining_s - tail * SUCCESSOR_MARGIN
+            return min(at, max(soon, safe))
+        own = _typical_s(candidate)
+        if own is not None and at < own:
+            # It would hedge more than a tenth of these prompts (a long one, whose typical first
+            # token is near the last point a rescue could start): a guess that mostly loses,
+            # its prefill thrown away, not a rescue.
+            return None
     return at
 
 
 def lands_first(candidate: Candidate, wait_s: float, successor: Candidate) -> bool:
     """Whether an attempt still waiting at `wait_s` is expected to answer before a successor
     started then would: its typical TTFT for this prompt lies beyond the wait (it is not late,
-    only long) and before the successor's typical landing. Such an attempt is never cut, nor
-    hedged."""
+    only long) and before the successor's typical landing. Such an attempt is never cut."""
     own = candidate.ttft_quantile_s("p50") or candidate.ttft_seen_s("p50")
     theirs = successor.ttft_quantile_s("p50") or successor.ttft_seen_s("p50")
     if own is None or theirs is None or math.isinf(own):
@@ -325,9 +331,7 @@ def rescue_point(
         # Hedging from the attempt's p90 would spend a 10% cap on fast requests as well as on
         # the slow ones it exists for: p90 only when the cap leaves room for both.
         early: Level = "p90" if share >= 0.20 else "p95"
-        at = hedge_point(remaining_s, candidate, successor, early=early)
-        # A hedge that would typically land after the attempt is a second prefill thrown away.
-        return None if at is not None and lands_first(candidate, at, successor) else at
+        return hedge_point(remaining_s, candidate, successor, early=early)
     at = deadline(remaining_s, successor)
     if at is None:
         return explore_point(remaining_s, successor)
