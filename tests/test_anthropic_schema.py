@@ -15,16 +15,13 @@ import base64
 import json
 import os
 import sys
-import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
-import llm_comply  # type: ignore[import-untyped]
 import orjson
 import pytest
-from llm_comply.schema import SpecLoader  # type: ignore[import-untyped]
 
 from gateway.config import Settings
 from gateway.models import Chunk
@@ -33,18 +30,10 @@ from gateway.providers.translate import OpenAIToAnthropicStream, openai_response
 from gateway.scrubbing import Scrubber
 from gateway.sse import SSEParser
 from tests.conftest import Gateway, gateway_settings, run_gateway
+from tests.schemas import parse_sse, problems, stream_schema
 
 pytestmark = pytest.mark.timeout(60)
 
-SPEC: Final = SpecLoader(str(Path(llm_comply.__file__).parent / "specs" / "anthropic.json"))
-EVENT_SCHEMAS: Final = {
-    "message_start": "MessageStartEvent",
-    "content_block_start": "ContentBlockStartEvent",
-    "content_block_delta": "ContentBlockDeltaEvent",
-    "content_block_stop": "ContentBlockStopEvent",
-    "message_delta": "MessageDeltaEvent",
-    "message_stop": "MessageStopEvent",
-}
 # A 1x1 PNG: what an agent sends when a screenshot is part of the conversation.
 PIXEL: Final = base64.b64encode(
     bytes.fromhex(
@@ -95,28 +84,23 @@ async def gateway() -> AsyncIterator[Gateway]:
 
 
 def schema_errors(data: Any, schema: str) -> list[str]:
-    with warnings.catch_warnings():
-        # llm-comply resolves references with jsonschema's RefResolver, deprecated but working.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        errors: list[str] = SPEC.validate(data, schema)
-    assert not any("not installed" in e or "not found" in e for e in errors), errors
-    return errors
+    return problems("messages", schema, data)
 
 
 def event_errors(stream: bytes) -> tuple[list[str], list[dict[str, Any]]]:
     """Every event of an Anthropic stream validated by its own schema; the events' data."""
     errors: list[str] = []
     events: list[dict[str, Any]] = []
-    for event in SSEParser().feed(stream):
-        if not event.data:
+    for name, data in parse_sse(stream):
+        if not isinstance(data, dict):
             continue
-        data = orjson.loads(event.data)
         events.append(data)
-        if event.event != data.get("type"):
-            errors.append(f"event {event.event!r} carries {data.get('type')!r}")
+        if name != data.get("type"):
+            errors.append(f"event {name!r} carries {data.get('type')!r}")
         if data["type"] == "ping":
             continue
-        errors += [f"{data['type']}: {e}" for e in schema_errors(data, EVENT_SCHEMAS[data["type"]])]
+        document, schema = stream_schema("messages", data)
+        errors += [f"{data['type']}: {e}" for e in problems(document, schema, data)]
     return errors, events
 
 
