@@ -19,11 +19,13 @@ specification's schema for the same fields (the OpenAI document bundled here pre
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pathlib
 import tempfile
 import warnings
+from collections.abc import AsyncIterator
 from typing import Any, Final, Literal
 
 import llm_comply  # type: ignore[import-untyped]  # ships no type information
@@ -32,6 +34,9 @@ from llm_comply.schema import (  # type: ignore[import-untyped]
     SSE_EVENT_TO_SCHEMA,
     SpecLoader,
 )
+
+from tests.conftest import Gateway, gateway_settings, run_gateway, serve
+from tests.fakes.anthropic_upstream import AnthropicFake
 
 SchemaWire = Literal["chat", "responses", "messages"]
 
@@ -163,3 +168,35 @@ def validate_stream(wire: SchemaWire, body: bytes | str | list[tuple[str | None,
 def _short(obj: Any) -> str:
     text = orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode()
     return text if len(text) < 4000 else text[:4000] + "..."
+
+
+ANTHROPIC_KEY: Final = "sk-ant-api03-configured-upstream-key-0123456789"
+
+
+@contextlib.asynccontextmanager
+async def wire_gateway(reasoning_model: str, *more: tuple[str, str, str]) -> AsyncIterator[Gateway]:
+    """A gateway over the simulator (chat; `reasoning_model` a simulated model that reasons)
+    and the Messages fake behind translated deployments (`claude`, and `claude-tools`, which
+    always calls a tool); `more`: further (name, provider, model) deployments."""
+    fake = AnthropicFake(api_key=ANTHROPIC_KEY)
+    async with serve(fake) as anthropic_url:
+        providers = {
+            "local": {"type": "simulated", "default_profile": {"output_tokens": 6}},
+            "thinking": {
+                "type": "simulated",
+                "default_profile": {"output_tokens": 6, "reasoning_tokens": 4},
+            },
+            "anthropic": {"type": "anthropic", "base_url": anthropic_url, "api_key": ANTHROPIC_KEY},
+        }
+        models = [
+            {"name": name, "deployments": [{"provider": p, "model": m}]}
+            for name, p, m in (
+                ("sim", "local", "sim"),
+                (reasoning_model, "thinking", "sim"),
+                ("claude", "anthropic", "claude-x"),
+                ("claude-tools", "anthropic", "claude-x@tool"),
+                *more,
+            )
+        ]
+        async with run_gateway(gateway_settings(providers, models)) as gw:
+            yield gw

@@ -17,13 +17,12 @@ import llm_comply.test_case  # type: ignore[import-untyped]
 import pytest
 from llm_comply.tests import get_tests  # type: ignore[import-untyped]
 
-from tests.conftest import Gateway, gateway_settings, run_gateway, serve
-from tests.fakes.anthropic_upstream import AnthropicFake
+from tests.conftest import Gateway
+from tests.schemas import wire_gateway
 from tests.timing import scaled
 
 pytestmark = pytest.mark.timeout(180)
 
-ANTHROPIC_KEY: Final = "sk-ant-api03-configured-upstream-key-0123456789"
 RUNNER: Final = Path(sys.executable).with_name("llm-comply")
 # Errors that cannot be avoided, by their text (`-i`), and why.
 IGNORED: Final[dict[str, str]] = {
@@ -40,27 +39,8 @@ IGNORED: Final[dict[str, str]] = {
 async def gateway() -> AsyncIterator[Gateway]:
     """Simulated models (one named like a reasoning model, so the reasoning tests run) and the
     Messages fake behind translated deployments."""
-    fake = AnthropicFake(api_key=ANTHROPIC_KEY)
-    async with serve(fake) as anthropic_url:
-        providers = {
-            "local": {"type": "simulated", "default_profile": {"output_tokens": 6}},
-            "thinking": {
-                "type": "simulated",
-                "default_profile": {"output_tokens": 6, "reasoning_tokens": 4},
-            },
-            "anthropic": {"type": "anthropic", "base_url": anthropic_url, "api_key": ANTHROPIC_KEY},
-        }
-        models = [
-            {"name": name, "deployments": [{"provider": p, "model": m}]}
-            for name, p, m in (
-                ("sim", "local", "sim"),
-                ("gpt-5-sim", "thinking", "sim"),
-                ("claude", "anthropic", "claude-x"),
-                ("claude-tools", "anthropic", "claude-x@tool"),
-            )
-        ]
-        async with run_gateway(gateway_settings(providers, models)) as gw:
-            yield gw
+    async with wire_gateway("gpt-5-sim") as gw:
+        yield gw
 
 
 def suite_ids(fmt: str, *, tools: bool) -> str:

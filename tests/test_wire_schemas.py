@@ -25,13 +25,19 @@ from gateway.providers.translate.events import (
 )
 from gateway.scrubbing import Scrubber
 from gateway.sse import SSEParser
-from tests.conftest import gateway_settings, run_gateway, serve
-from tests.fakes.anthropic_upstream import AnthropicFake
-from tests.schemas import SPECS, SchemaWire, parse_sse, validate, validate_error, validate_stream
+from tests.conftest import gateway_settings, run_gateway
+from tests.schemas import (
+    SPECS,
+    SchemaWire,
+    parse_sse,
+    validate,
+    validate_error,
+    validate_stream,
+    wire_gateway,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
-ANTHROPIC_KEY: Final = "sk-ant-api03-configured-upstream-key-0123456789"
 CLIENT_KEY: Final = "sk-tailguard-client-key-0123456789"
 IMAGE: Final = (
     "data:image/jpeg;base64," + base64.b64encode((SPECS / "test_image.jpg").read_bytes()).decode()
@@ -53,31 +59,12 @@ FEATURES: Final = ("text", "tools", "image", "reasoning")
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
     """A gateway over the simulator (chat), the fake Messages API and a Responses fake."""
-    fake = AnthropicFake(api_key=ANTHROPIC_KEY)
-    async with serve(fake) as anthropic_url:
-        providers = {
-            "local": {"type": "simulated", "default_profile": {"output_tokens": 5}},
-            "thinking": {
-                "type": "simulated",
-                "default_profile": {"output_tokens": 4, "reasoning_tokens": 3},
-            },
-            "anthropic": {"type": "anthropic", "base_url": anthropic_url, "api_key": ANTHROPIC_KEY},
-        }
-        models = [
-            {"name": name, "deployments": [{"provider": p, "model": m}]}
-            for name, p, m in (
-                ("sim", "local", "sim"),
-                ("sim-reasoning", "thinking", "sim"),
-                ("claude", "anthropic", "claude-x"),
-                ("claude-tools", "anthropic", "claude-x@tool"),
-                ("claude-cut", "anthropic", "claude-x@error_after=2"),
-            )
-        ]
-        async with (
-            run_gateway(gateway_settings(providers, models)) as gw,
-            httpx.AsyncClient(base_url=gw.url, timeout=10) as client,
-        ):
-            yield client
+    cut = ("claude-cut", "anthropic", "claude-x@error_after=2")
+    async with (
+        wire_gateway("sim-reasoning", cut) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=10) as client,
+    ):
+        yield client
 
 
 def _model(upstream: str, feature: str) -> str:
