@@ -57,6 +57,7 @@ __all__ = [
     "ResponseStore",
     "StoredResponse",
     "open_response_store",
+    "size_of",
 ]
 
 MAX_ID_CHARS = 256  # a longer id was never made by the gateway: not looked up at all
@@ -297,6 +298,17 @@ class ResponseStore:
             raise _continues_deleted(response_id)
         self._memory.put(found, size_of(found), persisted=True)
         return found
+
+    def latest(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The owner's entry as this process last wrote or read it, from memory only (never
+        waits): what a read-modify-write of a conversation starts from, with no await between
+        it and the `put` that follows. None when memory does not hold it or it was deleted."""
+        if not self.enabled or self._memory.gone(response_id) is not None:
+            return None
+        entry = self._memory.get(response_id)
+        if entry is None or entry.stored.owner != owner:
+            return None
+        return entry.stored
 
     def _check_ancestors(self, stored: StoredResponse) -> None:
         if stored.ancestors and self._memory.any_deleted(stored.ancestors):
