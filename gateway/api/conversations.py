@@ -108,7 +108,7 @@ async def read(store: ResponseStore, conversation_id: str, owner: str) -> Stored
     if not is_conversation(conversation_id):
         raise missing(conversation_id)
     try:
-        stored = await store.get(conversation_id, owner)
+        stored = await store.get(conversation_id, owner, fresh=True)
     except ResponseGoneError:
         stored = None
     if stored is None:
