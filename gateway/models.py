@@ -115,6 +115,7 @@ class Call:
     n: int = 1  # choices asked for
     priority: str = "interactive"  # interactive | bulk
     lineage: tuple[str, ...] = ()  # Responses: the stored responses it continues, newest first
+    history_items: int = 0  # Responses: input items a stored conversation put before its own
     answer_model: str | None = None  # the answer's `model` field; None: as the upstream has it
 
     @property

@@ -130,7 +130,7 @@ def build_openapi(base: Callable[[], Document], settings: Settings | None = None
     for path, item in spec["paths"].items():
         for method, operation in item.items():
             errors = "Anthropic" if path in _ANTHROPIC_PATHS else "OpenAI"
-            if method == "post":
+            if method == "post" and not path.startswith("/v1/conversations"):
                 _complete_llm_operation(operation, errors)
             else:
                 for status in (*_PROTOCOL_STATUSES, 500):

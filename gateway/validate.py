@@ -186,17 +186,21 @@ def _typed(value: object, param: str, types: tuple[type, ...], expected: str) ->
 
 
 def _responses(body: dict[str, Any]) -> None:
-    if body.get("conversation") is not None:
-        # An upstream's conversation is expanded upstream, on the gateway's provider key, from
-        # a store every client of the gateway shares, at a size unknown here when the key is
-        # charged for it.
-        raise InvalidRequestError(
-            "The gateway keeps no conversations: send the items in 'input', or continue a "
-            "stored response with 'previous_response_id'.",
-            param="conversation",
-            code="unsupported_parameter",
-        )
-    if body.get("input") is None and body.get("previous_response_id") is None:
+    conversation = body.get("conversation")
+    if conversation is not None:
+        # Kept by the gateway (gateway/api/conversations.py), expanded into `input` before
+        # routing as `previous_response_id` is; the two are exclusive, as OpenAI has them.
+        named = conversation.get("id") if isinstance(conversation, dict) else conversation
+        if not isinstance(named, str) or not named:
+            raise invalid_type("conversation", "a conversation id or an object with one", named)
+        if body.get("previous_response_id") is not None:
+            raise InvalidRequestError(
+                "Mutually exclusive parameters: provide only one of 'previous_response_id' "
+                "or 'conversation'.",
+                param="conversation",
+                code="mutually_exclusive_parameters",
+            )
+    elif body.get("input") is None and body.get("previous_response_id") is None:
         raise missing_param("input")
     for name, (types, expected) in _RESPONSES_FIELDS.items():
         _typed(body.get(name), name, types, expected)

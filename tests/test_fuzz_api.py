@@ -243,7 +243,7 @@ CANONICAL: list[tuple[str, dict[str, Any], dict[str, str], int]] = [
     ("/v1/responses", {"model": "chat"}, {}, 400),
     ("/v1/responses", _respond(model="nope"), {}, 404),
     ("/v1/responses", _respond(tools=[{"type": "web_search"}]), {}, 200),  # dropped, and said
-    ("/v1/responses", _respond(conversation="conv_1"), {}, 400),  # not a field chat can take
+    ("/v1/responses", _respond(conversation="conv_1"), {}, 404),  # no such conversation
     ("/v1/responses", _respond(max_output_tokens=15), {}, 400),
     ("/v1/chat/completions", _chat(filler="x" * MAX_BODY_BYTES), {}, 413),
     ("/v1/messages", {"model": "chat", "filler": "x" * MAX_BODY_BYTES}, {}, 413),

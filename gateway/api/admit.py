@@ -91,7 +91,9 @@ async def admit(
     limiter = runtime.limiter
     counted: Verdict | None = None  # the request, charged before its conversation is read
     known = 0  # prompt tokens known from the stored conversation's usage
-    if endpoint == "responses" and call.body.get("previous_response_id"):
+    if endpoint == "responses" and (
+        call.body.get("previous_response_id") or call.body.get("conversation")
+    ):
         if limited:
             assert principal is not None
             # A key at its rpm, or owing tokens, is refused before the store is read and the

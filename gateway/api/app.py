@@ -1,5 +1,5 @@
 """The app: its factory, its lifespan, and the routes the framework serves (models, stored
-responses, admin, dashboard, metrics, health).
+responses and conversations, admin, dashboard, metrics, health).
 
 Everything with a lifetime (provider clients, stores, background tasks) belongs to the `Runtime`
 the lifespan opens; a request reads its `Services` once, when admitted, so a config reload never
@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.admit import visible_models
 from gateway.api.conversation import delete_response, get_response, list_input_items, owner_of
+from gateway.api.conversation_routes import add_conversation_routes
 from gateway.api.count import count_routes
 from gateway.api.edge import LLM_ROUTES, EdgeMiddleware, context_of
 from gateway.api.render import error_response, http_error, unexpected_error
@@ -161,6 +162,7 @@ def _add_routes(app: FastAPI) -> None:
     for path in LLM_ROUTES:
         app.router.routes.append(Route(path, WrongMethod(), include_in_schema=False))
     app.router.routes.extend(count_routes())  # POST /v1/messages/count_tokens, .../input_tokens
+    add_conversation_routes(app)  # /v1/conversations and its items
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

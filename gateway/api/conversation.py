@@ -1,6 +1,8 @@
 """The Responses API's conversation state, served from the gateway's own store: a request's
 `previous_response_id` expanded into its input before routing (so the conversation may go to any
-upstream), and `GET`/`DELETE /v1/responses/{id}` and its input items.
+upstream), and `GET`/`DELETE /v1/responses/{id}` and its input items. A request naming a
+`conversation` takes its items as the history instead (`gateway.api.conversations`), and its
+turn is appended to it.
 
 A response is visible only to the key that created it (its identity, not its name: a new key
 under the same name is another owner); another key's id reads as not found.
@@ -15,10 +17,19 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from gateway.api.conversations import (
+    append_turn,
+    as_item,
+    conversation_id,
+    history,
+    is_conversation,
+    parse,
+    read,
+)
 from gateway.auth import Principal
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.models import Call
-from gateway.providers.translate.items import input_items, new_id, output_items_as_input
+from gateway.providers.translate.items import input_items, output_items_as_input
 from gateway.responses_store import ResponseGoneError, ResponseStore, StoredResponse
 from gateway.validate import off_loop
 
@@ -41,10 +52,18 @@ async def continue_conversation(store: ResponseStore, call: Call, owner: str) ->
 async def expand_conversation(store: ResponseStore, call: Call, owner: str) -> tuple[Call, int]:
     """`continue_conversation`, and the tokens of the conversation so far as its upstream
     billed them (the stored turn's input and output tokens; 0 when it did not say). Raises
-    InvalidRequestError when the previous response is not found for `owner`."""
+    InvalidRequestError when the previous response is not found for `owner`, NotFoundError
+    when the conversation is not."""
+    named = conversation_id(call.body)
+    if named is not None:
+        found = await read(store, named, owner)
+        size = len(found.items) + len(call.raw)
+        return await off_loop(size, _continued, call, found)
     previous = call.body.get("previous_response_id")
     if not previous:
         return call, 0
+    if is_conversation(previous):
+        raise _previous_missing(previous, "")
     try:
         stored = await store.get(previous, owner)
     except ResponseGoneError as gone:
@@ -64,6 +83,13 @@ def _expanded(call: Call, stored: StoredResponse) -> tuple[Call, int]:
     body = {**call.body, "input": history}
     lineage = (stored.id, *stored.ancestors)
     return replace(call, body=body, raw=orjson.dumps(body), lineage=lineage), _billed(response)
+
+
+def _continued(call: Call, stored: StoredResponse) -> tuple[Call, int]:
+    earlier = history(parse(stored))
+    body = {**call.body, "input": earlier + input_items(call.body)}
+    raw = orjson.dumps(body)
+    return replace(call, body=body, raw=raw, history_items=len(earlier)), 0
 
 
 def _billed(response: Any) -> int:
@@ -88,11 +114,15 @@ def _previous_missing(previous: str, why: str) -> InvalidRequestError:
 
 
 def keep(store: ResponseStore, call: Call, response: dict[str, Any], owner: str) -> bool:
-    """Store a finished response (unless the request said `store: false`); False when it was
-    to be stored and was not (too large: a read of its id then says why)."""
+    """Store a finished response (unless the request said `store: false`) and append its turn to
+    the conversation it named; False when either was to be done and was not (too large: a read
+    of its id then says why)."""
+    appended = True
+    if conversation_id(call.body) is not None:
+        appended = append_turn(store, call.body, call.history_items, response, owner)
     if call.body.get("store") is False:
-        return True
-    return store.put(
+        return appended
+    return appended & store.put(
         StoredResponse(
             id=response["id"],
             owner=owner,
@@ -111,6 +141,8 @@ def _missing(response_id: str, why: str = "") -> NotFoundError:
 
 
 async def _read(store: ResponseStore, response_id: str, owner: str) -> StoredResponse | None:
+    if is_conversation(response_id):
+        return None  # a conversation shares the store, not the endpoints
     try:
         return await store.get(response_id, owner)
     except ResponseGoneError as gone:
@@ -125,7 +157,7 @@ async def get_response(store: ResponseStore, response_id: str, owner: str) -> Re
 
 
 async def delete_response(store: ResponseStore, response_id: str, owner: str) -> Response:
-    if not await store.delete(response_id, owner):
+    if is_conversation(response_id) or not await store.delete(response_id, owner):
         raise _missing(response_id)
     body = {"id": response_id, "object": "response.deleted", "deleted": True}
     return Response(orjson.dumps(body), media_type=_JSON)
@@ -138,7 +170,7 @@ async def list_input_items(
     stored = await _read(store, response_id, owner)
     if stored is None:
         raise _missing(response_id)
-    items = [_as_item(item) for item in orjson.loads(stored.items)]
+    items = [as_item(item) for item in orjson.loads(stored.items)]
     if order == "desc":
         items.reverse()
     page = items[:limit]
@@ -150,39 +182,3 @@ async def list_input_items(
         "has_more": len(items) > len(page),
     }
     return Response(orjson.dumps(body), media_type=_JSON)
-
-
-def _as_item(item: Any) -> dict[str, Any]:
-    """An input item as the API lists it: with an id, a message's content as parts."""
-    if not isinstance(item, dict):
-        return {"id": new_id("item_"), "type": "unknown"}
-    out = dict(item)
-    kind = out.setdefault("type", "message")
-    if kind == "message":
-        out.setdefault("id", new_id("msg_"))
-        out.setdefault("status", "completed")
-        content = out.get("content")
-        if isinstance(content, str):
-            content = [
-                {
-                    "type": "output_text" if out.get("role") == "assistant" else "input_text",
-                    "text": content,
-                }
-            ]
-        if isinstance(content, list):
-            out["content"] = [_as_part(part) for part in content]
-    else:
-        out.setdefault("id", new_id("fc_" if kind == "function_call" else "item_"))
-    return out
-
-
-def _as_part(part: Any) -> Any:
-    """A content part with the fields the API lists it with (that a request may leave out)."""
-    if not isinstance(part, dict):
-        return part
-    kind = part.get("type")
-    if kind == "output_text" and "annotations" not in part:
-        return {**part, "annotations": []}
-    if kind == "input_image" and part.get("detail") is None:
-        return {**part, "detail": "auto"}
-    return part

@@ -117,7 +117,7 @@ async def _count(runtime: Runtime, ctx: RequestContext, request: Request, wire: 
     ctx.model, ctx.requested = spec.name, model
     services.enter()  # a reload meanwhile keeps the providers' pools open until this ends
     try:
-        if query.body.get("previous_response_id"):
+        if query.body.get("previous_response_id") or query.body.get("conversation"):
             query = await _continued(services, ctx, model, query)
         headers = _forwarded(scope, ctx.request_id)
         tokens, deployment = await count_upstream(services, spec, query, headers)
@@ -216,7 +216,7 @@ def parse_count(wire: Wire, raw: bytes, max_values: int) -> tuple[str, CountQuer
     it is parsed), and InvalidRequestError naming the offending param."""
     check_json_values(raw, max_values, "token-counting request")
     if wire == "openai":
-        call = parse_call("responses", raw)  # refuses `conversation` too
+        call = parse_call("responses", raw)
         body = {k: v for k, v in call.body.items() if k != "model"}
         return call.model, CountQuery(wire, body, len(raw))
     body = load_body(raw)

@@ -62,7 +62,7 @@ _RESPONSES_INPUT: Final[tuple[str, ...]] = (
 )
 _CHAT_INPUT: Final[tuple[str, ...]] = ("messages", "tools")
 # Keys of a Responses request that only the gateway reads, never a counter.
-_GATEWAY_ONLY: Final[tuple[str, ...]] = ("previous_response_id", "store")
+_GATEWAY_ONLY: Final[tuple[str, ...]] = ("previous_response_id", "conversation", "store")
 # Estimate: keys whose values are not text the model reads (ids, media, markers).
 _NOT_TEXT: Final = frozenset(
     {

@@ -229,12 +229,14 @@ def _prepare_responses(
     unsupported_tools: UnsupportedTools,
 ) -> Prepared:
     """A Responses call: forwarded to an upstream that serves it natively, else translated to
-    chat completions or Messages. The conversation (`previous_response_id`) was expanded into
-    `input` at the edge, so the upstream is asked to store nothing."""
+    chat completions or Messages. The conversation (`previous_response_id`, `conversation`) was
+    expanded into `input` at the edge, so the upstream is asked to store nothing."""
     result = ResponsesResult()
     stream = call.stream
     if provider.wire == "openai" and provider.supports("responses"):
-        native = {k: v for k, v in call.body.items() if k != "previous_response_id"}
+        native = {
+            k: v for k, v in call.body.items() if k not in ("previous_response_id", "conversation")
+        }
         native.update(model=upstream_model, store=False)
         passthrough = ResponsesPassthrough(result)
         request = UpstreamRequest("responses", orjson.dumps(native), stream, headers)

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from gateway.config import Settings
 from gateway.config.specs import ResponsesSpec
+from gateway.errors import StoreUnavailableError
 from gateway.redis import RedisClient, connect_redis
 from gateway.response_ids import minted_at
 from gateway.responses_store.redis_tier import (
@@ -57,6 +58,7 @@ __all__ = [
     "ResponseStore",
     "StoredResponse",
     "open_response_store",
+    "size_of",
 ]
 
 MAX_ID_CHARS = 256  # a longer id was never made by the gateway: not looked up at all
@@ -148,6 +150,27 @@ class _MemoryTier:
             del self._gone[response_id]
             return None
         return tombstone
+
+    def latest(self, response_id: str, owner: str) -> StoredResponse | None:
+        if self.gone(response_id) is not None:
+            return None
+        entry = self.get(response_id)
+        return entry.stored if entry is not None and entry.stored.owner == owner else None
+
+    async def reread(self, redis: RedisTier, held: StoredResponse) -> StoredResponse | None:
+        """Redis's version of an entry held here (written there already), now held here."""
+        try:
+            found = await redis.read(held.id)
+        except StoreUnavailableError:
+            return held  # while Redis fails, memory serves
+        if redis.queue.waiting(held.id) is not None:  # written here meanwhile: that is newer
+            entry = self.get(held.id)
+            return entry.stored if entry is not None else None
+        if not isinstance(found, StoredResponse) or found.owner != held.owner:
+            self.pop(held.id)  # deleted, or expired, through another replica
+            return None
+        self.put(found, size_of(found), persisted=True)
+        return found
 
     def any_deleted(self, ids: tuple[str, ...]) -> bool:
         return any((t := self.gone(i)) is not None and t.reason == DELETED for i in ids)
@@ -244,11 +267,15 @@ class ResponseStore:
             self._redis.queue.enqueue(stored)
         return True
 
-    async def get(self, response_id: str, owner: str) -> StoredResponse | None:
+    async def get(
+        self, response_id: str, owner: str, *, fresh: bool = False
+    ) -> StoredResponse | None:
         """The owner's live response, or None (unknown, expired, or another owner's). Raises
         ResponseGoneError (see the class), and StoreUnavailableError when only Redis could
         answer and it failed or timed out, or when the id is recent enough for its write to be
-        pending on another replica."""
+        pending on another replica. `fresh`: an entry that changes (a conversation) is read
+        from Redis even when memory holds it, as another replica may have written it since
+        (while Redis fails, memory serves)."""
         if not self.enabled or len(response_id) > MAX_ID_CHARS:
             return None
         redis = None if self._closed else self._redis  # closed: memory only
@@ -261,6 +288,8 @@ class ResponseStore:
             stored = entry.stored
             if stored.owner != owner:
                 return None
+            if fresh and redis and entry.persisted and redis.queue.waiting(response_id) is None:
+                return await self._memory.reread(redis, stored)  # a newer one may be in Redis
             self._check_ancestors(stored)
             if redis is not None:
                 asked = response_id if entry.persisted else None
@@ -297,6 +326,11 @@ class ResponseStore:
             raise _continues_deleted(response_id)
         self._memory.put(found, size_of(found), persisted=True)
         return found
+
+    def latest(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The owner's entry as this process last wrote or read it, from memory only (never
+        waits): what a read-modify-write of a conversation starts from. None: not held here."""
+        return self._memory.latest(response_id, owner) if self.enabled else None
 
     def _check_ancestors(self, stored: StoredResponse) -> None:
         if stored.ancestors and self._memory.any_deleted(stored.ancestors):

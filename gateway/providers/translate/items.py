@@ -38,6 +38,7 @@ _DROPPED: Final = frozenset(
     {
         "store",  # the gateway stores; upstreams are asked to store nothing
         "previous_response_id",  # expanded into `input` before routing
+        "conversation",  # expanded into `input` too
         "include",
         "metadata",
         "service_tier",
