@@ -30,10 +30,8 @@ from typing import Any, Final
 import aiohttp
 import orjson
 
-try:  # `python -m bench.affinity` or `python bench/affinity.py`
-    from bench._harness import SSEReader, post_stream
-except ImportError:
-    from _harness import SSEReader, post_stream  # type: ignore[no-redef,unused-ignore,import-not-found]
+from bench._harness import post_stream
+from gateway.tools.stream import StreamReader
 
 WORDS: Final = (
     "queue",
@@ -115,7 +113,7 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], tu
     """Send one streamed chat request, read it to its end."""
     data = orjson.dumps(body)
     outcome = Outcome(time.perf_counter(), len(data), turn)
-    reader = SSEReader(errors_only_after_first=True)
+    reader = StreamReader(errors_only_after_first=True)
     outcome.status, headers, outcome.error, _ = await post_stream(
         session, url, data, {"content-type": "application/json"}, reader
     )

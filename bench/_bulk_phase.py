@@ -16,6 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from bench._bulk_setup import (
+    BULK_EMBED_INPUTS,
+    DEPLOYMENT,
+    SIM_PROFILE,
+    BulkMix,
+    batch_totals,
+    bulk_loads,
+    interactive_request,
+)
 from gateway.sketch import nearest_rank
 from gateway.tools.load import (
     Client,
@@ -27,27 +36,6 @@ from gateway.tools.load import (
     run_load,
 )
 from gateway.tools.stack import Stack, metric_samples, proc_cpu_s
-
-try:  # `python -m bench.bulk` or `python bench/bulk.py`
-    from bench._bulk_setup import (
-        BULK_EMBED_INPUTS,
-        DEPLOYMENT,
-        SIM_PROFILE,
-        BulkMix,
-        batch_totals,
-        bulk_loads,
-        interactive_request,
-    )
-except ImportError:
-    from _bulk_setup import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        BULK_EMBED_INPUTS,
-        DEPLOYMENT,
-        SIM_PROFILE,
-        BulkMix,
-        batch_totals,
-        bulk_loads,
-        interactive_request,
-    )
 
 CHILD_FLAG: Final = "--load-child"
 GATE_SAMPLE_S: Final = 0.25

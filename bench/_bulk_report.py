@@ -5,32 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from bench._bulk_phase import SETTLE_S
+from bench._bulk_setup import (
+    BATCHING,
+    BULK_CHAT_CLIENTS,
+    BULK_EMBED_CLIENTS,
+    BULK_EMBED_INPUTS,
+    BULK_PRIORITY,
+    METRICS_INTERVAL_S,
+    SIM_PROFILE,
+    TTFT_BUDGET_MS,
+)
 from gateway.sketch import nearest_rank
-
-try:  # `python -m bench.bulk` or `python bench/bulk.py`
-    from bench._bulk_phase import SETTLE_S
-    from bench._bulk_setup import (
-        BATCHING,
-        BULK_CHAT_CLIENTS,
-        BULK_EMBED_CLIENTS,
-        BULK_EMBED_INPUTS,
-        BULK_PRIORITY,
-        METRICS_INTERVAL_S,
-        SIM_PROFILE,
-        TTFT_BUDGET_MS,
-    )
-except ImportError:
-    from _bulk_phase import SETTLE_S  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _bulk_setup import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        BATCHING,
-        BULK_CHAT_CLIENTS,
-        BULK_EMBED_CLIENTS,
-        BULK_EMBED_INPUTS,
-        BULK_PRIORITY,
-        METRICS_INTERVAL_S,
-        SIM_PROFILE,
-        TTFT_BUDGET_MS,
-    )
 
 SPEEDUP_TARGET: Final = 5.0
 # Interactive TTFT p99 with bulk on, against alone, per server mode.

@@ -28,12 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from bench._harness import ROOT, VENV_BIN
 from gateway.tools.stack import Stack, serve
-
-try:  # `python -m bench.overhead` or `python bench/overhead.py`
-    from bench._harness import ROOT, VENV_BIN
-except ImportError:
-    from _harness import ROOT, VENV_BIN  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 LITELLM_VENV: Final = ROOT / "bench" / ".venvs" / "litellm"
 # The newest release whose `proxy` extra installs here: 1.108.8 to 1.110.2 pin companion

@@ -57,47 +57,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from bench import _contenders as contenders
+from bench import _portkey
+from bench import _profile as profiling
+from bench._field_report import (
+    LABELS,
+    feature_lines,
+    fmt,
+    overload_notes,
+    ratio,
+    ratios,
+    scaling_lines,
+    table,
+    targets,
+)
+from bench._harness import ROOT, VENV_BIN, environment, sigterm_as_interrupt
+from bench._load import LoadSpec, run_load
 from gateway.tools.stack import Stack, free_port, proc_cpu_s
-
-try:  # `python -m bench.overhead` or `python bench/overhead.py`
-    from bench import _contenders as contenders
-    from bench import _portkey
-    from bench import _profile as profiling
-    from bench._field_report import (
-        LABELS,
-        feature_lines,
-        fmt,
-        overload_notes,
-        ratio,
-        ratios,
-        scaling_lines,
-        table,
-        targets,
-    )
-    from bench._harness import ROOT, VENV_BIN, environment, sigterm_as_interrupt
-    from bench._load import LoadSpec, run_load
-except ImportError:
-    import _contenders as contenders  # type: ignore[no-redef,unused-ignore,import-not-found]
-    import _portkey  # type: ignore[no-redef,unused-ignore,import-not-found]
-    import _profile as profiling  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _field_report import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        LABELS,
-        feature_lines,
-        fmt,
-        overload_notes,
-        ratio,
-        ratios,
-        scaling_lines,
-        table,
-        targets,
-    )
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        ROOT,
-        VENV_BIN,
-        environment,
-        sigterm_as_interrupt,
-    )
-    from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 MODEL: Final = "bench"
 PACED_MODEL: Final = "bench-paced"

@@ -7,10 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    try:
-        from bench._field import FieldOptions
-    except ImportError:
-        from _field import FieldOptions  # type: ignore[no-redef,unused-ignore,import-not-found]
+    from bench._field import FieldOptions
+
 LABELS: Final = {
     "direct": "direct",
     "tailguard": "Tailguard",

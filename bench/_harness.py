@@ -1,4 +1,5 @@
-"""What the benchmark scripts share besides `gateway.tools`: CPU pinning, summaries and results.
+"""What the benchmark scripts share besides `gateway.tools`: CPU pinning, the streaming client,
+summaries and results.
 
 Every script starts real processes (`tailguard sim`, `tailguard serve`) with a
 `gateway.tools.stack.Stack` started in the repository's root (`ROOT`), pins them with `taskset`
@@ -25,6 +26,7 @@ import aiohttp
 import orjson
 
 from gateway.sketch import nearest_rank
+from gateway.tools.stream import StreamReader
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 VENV_BIN: Final = Path(sys.executable).parent
@@ -75,58 +77,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
 # --- the client ----------------------------------------------------------------------------------
 
 
-class SSEReader:
-    """Just enough SSE to find the first content event, an error event and `[DONE]`.
-
-    With `errors_only_after_first`, events after the first content are parsed only when they
-    may hold an error (cheaper for a client under heavy load).
-    """
-
-    __slots__ = ("buffer", "done", "error", "errors_only_after_first", "t_first")
-
-    def __init__(self, errors_only_after_first: bool = False) -> None:
-        self.buffer = b""
-        self.t_first: float | None = None
-        self.done = False
-        self.error: str | None = None
-        self.errors_only_after_first = errors_only_after_first
-
-    def feed(self, data: bytes, now: float) -> None:
-        buffer = (self.buffer + data if self.buffer else data).replace(b"\r\n", b"\n")
-        start = 0
-        while (end := buffer.find(b"\n\n", start)) >= 0:
-            self._event(buffer[start:end], now)
-            start = end + 2
-        self.buffer = buffer[start:]
-
-    def _event(self, event: bytes, now: float) -> None:
-        lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-        if not lines:
-            return  # comments, keep-alives
-        payload = b"\n".join(lines)
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        if self.errors_only_after_first and self.t_first is not None and b'"error"' not in payload:
-            return  # only the first content event and errors matter
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            self.error = f"bad event {payload[:80]!r}"
-            return
-        if not isinstance(obj, dict):
-            self.error = f"bad event {payload[:80]!r}"
-        elif "error" in obj:
-            self.error = f"error event {payload[:200]!r}"
-        elif self.t_first is None:
-            for choice in obj.get("choices") or ():
-                delta = choice.get("delta") if isinstance(choice, dict) else None
-                content = delta.get("content") if isinstance(delta, dict) else None
-                if isinstance(content, str) and content:
-                    self.t_first = now
-                    return
-
-
 _NO_HEADERS: Final[Mapping[str, str]] = {}
 
 
@@ -147,7 +97,7 @@ async def post_stream(
     url: str,
     data: bytes,
     headers: Mapping[str, str],
-    reader: SSEReader,
+    reader: StreamReader,
 ) -> Streamed:
     """POST `data` and feed a 200 answer's stream to `reader` as it arrives."""
     status: int = 0

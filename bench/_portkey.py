@@ -21,17 +21,9 @@ import subprocess
 from pathlib import Path
 from typing import Final
 
+from bench._contenders import AUTH_HEADERS, Found
+from bench._harness import ROOT
 from gateway.tools.stack import Stack
-
-try:  # `python -m bench.overhead` or `python bench/overhead.py`
-    from bench._contenders import AUTH_HEADERS, Found
-    from bench._harness import ROOT
-except ImportError:
-    from _contenders import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        AUTH_HEADERS,
-        Found,
-    )
-    from _harness import ROOT  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 PORTKEY_VERSION: Final = "1.15.2"
 PORTKEY_PACKAGE: Final = f"@portkey-ai/gateway@{PORTKEY_VERSION}"

@@ -23,35 +23,17 @@ from typing import Any, Final
 
 import aiohttp
 
+from bench._harness import stream_chat_body
+from bench._upstream import (
+    BEHAVIOUR_PATH,
+    REQUEST_ID_PREFIX,
+    STATS_PATH,
+    prompt_tokens,
+    start_upstream,
+)
+from bench.tail import KEEPALIVE_S, Outcome, get_json, one_request, percentiles_ms
 from gateway.tools.load import run_async
 from gateway.tools.stack import Stack, free_port, serve
-
-try:  # `python -m bench.scenarios` or `python bench/scenarios.py`
-    from bench._harness import stream_chat_body
-    from bench._upstream import (
-        BEHAVIOUR_PATH,
-        REQUEST_ID_PREFIX,
-        STATS_PATH,
-        prompt_tokens,
-        start_upstream,
-    )
-    from bench.tail import KEEPALIVE_S, Outcome, get_json, one_request, percentiles_ms
-except ImportError:
-    from _harness import stream_chat_body  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _upstream import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        BEHAVIOUR_PATH,
-        REQUEST_ID_PREFIX,
-        STATS_PATH,
-        prompt_tokens,
-        start_upstream,
-    )
-    from tail import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        KEEPALIVE_S,
-        Outcome,
-        get_json,
-        one_request,
-        percentiles_ms,
-    )
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 UPSTREAMS: Final = ("primary", "fallback")

@@ -21,24 +21,11 @@ from typing import Any, Final
 
 import aiohttp
 
+from bench._harness import ROOT, stream_chat_body
+from bench._spill_setup import KEEPALIVE_S, METRICS_INTERVAL_S, REQUEST_TIMEOUT_S, start_sim
 from gateway.providers.vllm import parse_metrics
 from gateway.tools.stack import Stack, free_port, start_gateway
-
-try:
-    from bench._harness import ROOT, SSEReader, stream_chat_body
-    from bench._spill_setup import KEEPALIVE_S, METRICS_INTERVAL_S, REQUEST_TIMEOUT_S, start_sim
-except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        ROOT,
-        SSEReader,
-        stream_chat_body,
-    )
-    from _spill_setup import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        KEEPALIVE_S,
-        METRICS_INTERVAL_S,
-        REQUEST_TIMEOUT_S,
-        start_sim,
-    )
+from gateway.tools.stream import StreamReader
 
 BURST_MODEL: Final = "pool"
 BURST_SERVERS: Final = 3
@@ -82,7 +69,7 @@ async def one(session: aiohttp.ClientSession, url: str, index: int) -> str:
     """One streamed request read to its end; the deployment that served it (or the error)."""
     prompt = f"Request {index} at {time.time_ns()}: why do queues make first tokens late?"
     body = stream_chat_body(BURST_MODEL, BURST_TOKENS, prompt)
-    reader = SSEReader(errors_only_after_first=True)
+    reader = StreamReader(errors_only_after_first=True)
     try:
         async with session.post(
             url, data=body, headers={"content-type": "application/json"}

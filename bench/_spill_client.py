@@ -12,38 +12,20 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from bench._harness import (
+    post_stream,
+    stream_chat_body,
+)
+from bench._spill_setup import (
+    KEEPALIVE_S,
+    MAX_TOKENS,
+    MODEL,
+    PROMPT,
+    QUEUE_SAMPLE_S,
+    REQUEST_TIMEOUT_S,
+)
 from gateway.providers.vllm import parse_metrics
-
-try:  # `python -m bench.spill` or `python bench/spill.py`
-    from bench._harness import (
-        SSEReader,
-        post_stream,
-        stream_chat_body,
-    )
-except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        SSEReader,
-        post_stream,
-        stream_chat_body,
-    )
-try:
-    from bench._spill_setup import (
-        KEEPALIVE_S,
-        MAX_TOKENS,
-        MODEL,
-        PROMPT,
-        QUEUE_SAMPLE_S,
-        REQUEST_TIMEOUT_S,
-    )
-except ImportError:
-    from _spill_setup import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        KEEPALIVE_S,
-        MAX_TOKENS,
-        MODEL,
-        PROMPT,
-        QUEUE_SAMPLE_S,
-        REQUEST_TIMEOUT_S,
-    )
+from gateway.tools.stream import StreamReader
 
 
 @dataclass(slots=True)
@@ -65,7 +47,7 @@ async def one_request(
     started = time.perf_counter()
     origin = min(due, started)
     outcome = Outcome(step=step, lag_s=started - due)
-    reader = SSEReader(errors_only_after_first=True)
+    reader = StreamReader(errors_only_after_first=True)
     outcome.status, headers, outcome.error, _ = await post_stream(
         session, url, body, {"content-type": "application/json"}, reader
     )

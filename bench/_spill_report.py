@@ -6,48 +6,25 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-try:  # `python -m bench.spill` or `python bench/spill.py`
-    from bench._harness import percentiles_ms
-    from bench._spill_client import (
-        Outcome,
-    )
-except ImportError:
-    from _harness import percentiles_ms  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _spill_client import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        Outcome,
-    )
-try:
-    from bench._spill_setup import (
-        HOSTED_PROFILE,
-        LOCAL_DEPLOYMENT,
-        LOCAL_PROFILE,
-        LOCAL_SHARE_BELOW_PCT,
-        LOCAL_SHARE_TARGET,
-        MAX_ERROR_SAMPLES,
-        NOISY_LAG_MS,
-        OVERLOAD_FROM_PCT,
-        OVERLOAD_SHARE_TARGET,
-        TTFT_BUDGET_MS,
-        WARMUP_PCT,
-        Options,
-        local_capacity_rps,
-    )
-except ImportError:
-    from _spill_setup import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        HOSTED_PROFILE,
-        LOCAL_DEPLOYMENT,
-        LOCAL_PROFILE,
-        LOCAL_SHARE_BELOW_PCT,
-        LOCAL_SHARE_TARGET,
-        MAX_ERROR_SAMPLES,
-        NOISY_LAG_MS,
-        OVERLOAD_FROM_PCT,
-        OVERLOAD_SHARE_TARGET,
-        TTFT_BUDGET_MS,
-        WARMUP_PCT,
-        Options,
-        local_capacity_rps,
-    )
+from bench._harness import percentiles_ms
+from bench._spill_client import (
+    Outcome,
+)
+from bench._spill_setup import (
+    HOSTED_PROFILE,
+    LOCAL_DEPLOYMENT,
+    LOCAL_PROFILE,
+    LOCAL_SHARE_BELOW_PCT,
+    LOCAL_SHARE_TARGET,
+    MAX_ERROR_SAMPLES,
+    NOISY_LAG_MS,
+    OVERLOAD_FROM_PCT,
+    OVERLOAD_SHARE_TARGET,
+    TTFT_BUDGET_MS,
+    WARMUP_PCT,
+    Options,
+    local_capacity_rps,
+)
 
 
 def summarize(pct: int, rate: float, outcomes: Sequence[Outcome]) -> dict[str, Any]:

@@ -8,16 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from bench._harness import (
+    VENV_BIN,
+)
 from gateway.tools.stack import Stack
-
-try:  # `python -m bench.spill` or `python bench/spill.py`
-    from bench._harness import (
-        VENV_BIN,
-    )
-except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        VENV_BIN,
-    )
 
 MODES: Final = ("round_robin", "tailguard")
 STEPS_PCT: Final = (20, 40, 60, 80, 100, 120, 150, 200)

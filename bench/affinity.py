@@ -47,41 +47,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from gateway.tools.stack import Stack, free_port, start_gateway
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-try:  # `python -m bench.affinity` or `python bench/affinity.py`
-    from bench import _affinity_micro as micro
-    from bench._affinity_load import Outcome, conversations, independent, sim_prefix
-    from bench._harness import (
-        RESULTS_DIR,
-        ROOT,
-        VENV_BIN,
-        environment,
-        parse_modes,
-        percentiles_ms,
-        pin_client,
-        sigterm_as_interrupt,
-        write_results,
-    )
-except ImportError:
-    import _affinity_micro as micro  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _affinity_load import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        Outcome,
-        conversations,
-        independent,
-        sim_prefix,
-    )
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        RESULTS_DIR,
-        ROOT,
-        VENV_BIN,
-        environment,
-        parse_modes,
-        percentiles_ms,
-        pin_client,
-        sigterm_as_interrupt,
-        write_results,
-    )
+from bench import _affinity_micro as micro
+from bench._affinity_load import Outcome, conversations, independent, sim_prefix
+from bench._harness import (
+    RESULTS_DIR,
+    ROOT,
+    VENV_BIN,
+    environment,
+    parse_modes,
+    percentiles_ms,
+    pin_client,
+    sigterm_as_interrupt,
+    write_results,
+)
+from gateway.tools.stack import Stack, free_port, start_gateway
 
 MODES: Final = ("round_robin", "queue_only", "tailguard")
 WORKLOADS: Final = ("shared", "independent")

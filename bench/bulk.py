@@ -72,55 +72,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from bench._bulk_phase import CHILD_FLAG, Window, run_child, run_phase
+from bench._bulk_report import report, verdicts
+from bench._bulk_setup import (
+    BULK_CHAT_CLIENTS,
+    BULK_EMBED_CLIENTS,
+    BULK_EMBED_INPUTS,
+    CAPPED_BULK,
+    CAPPED_INFLIGHT,
+    FULL_MIX,
+    MODES,
+    BulkMix,
+    ServerMode,
+    batch_totals,
+    embed_request,
+    gateway_config,
+)
+from bench._harness import RESULTS_DIR, environment, sigterm_as_interrupt, write_results
 from gateway.tools.load import Client, LoadResult, Request, closed_loop, run_load
 from gateway.tools.stack import Stack, cpu_layout, start_gateway, start_sim, taskset
-
-try:  # `python -m bench.bulk` or `python bench/bulk.py`
-    from bench._bulk_phase import CHILD_FLAG, Window, run_child, run_phase
-    from bench._bulk_report import report, verdicts
-    from bench._bulk_setup import (
-        BULK_CHAT_CLIENTS,
-        BULK_EMBED_CLIENTS,
-        BULK_EMBED_INPUTS,
-        CAPPED_BULK,
-        CAPPED_INFLIGHT,
-        FULL_MIX,
-        MODES,
-        BulkMix,
-        ServerMode,
-        batch_totals,
-        embed_request,
-        gateway_config,
-    )
-    from bench._harness import RESULTS_DIR, environment, sigterm_as_interrupt, write_results
-except ImportError:
-    from _bulk_phase import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        CHILD_FLAG,
-        Window,
-        run_child,
-        run_phase,
-    )
-    from _bulk_report import report, verdicts  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _bulk_setup import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        BULK_CHAT_CLIENTS,
-        BULK_EMBED_CLIENTS,
-        BULK_EMBED_INPUTS,
-        CAPPED_BULK,
-        CAPPED_INFLIGHT,
-        FULL_MIX,
-        MODES,
-        BulkMix,
-        ServerMode,
-        batch_totals,
-        embed_request,
-        gateway_config,
-    )
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        RESULTS_DIR,
-        environment,
-        sigterm_as_interrupt,
-        write_results,
-    )
 
 BUSY_LOAD: Final = 0.7  # 1-minute load average above which the machine is not quiet
 

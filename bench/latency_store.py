@@ -36,32 +36,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import redis
 
+from bench._harness import sigterm_as_interrupt
+from bench._load import LoadSpec, run_load
+from bench.overhead import (
+    MODEL,
+    ROOT,
+    VENV_BIN,
+    Stack,
+    pinning,
+    request_body,
+)
 from gateway.tools.stack import free_port, wait_ready
-
-try:  # `python -m bench.latency_store` or `python bench/latency_store.py`
-    from bench._harness import sigterm_as_interrupt
-    from bench._load import LoadSpec, run_load
-    from bench.overhead import (
-        MODEL,
-        ROOT,
-        VENV_BIN,
-        Stack,
-        pinning,
-        request_body,
-    )
-except ImportError:
-    from _harness import sigterm_as_interrupt  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from overhead import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        MODEL,
-        ROOT,
-        VENV_BIN,
-        Stack,
-        pinning,
-        request_body,
-    )
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "latency_store.json"
 TOKENS = 20

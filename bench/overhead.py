@@ -78,17 +78,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from bench import _field as field_run
+from bench._harness import sigterm_as_interrupt
+from bench._load import LoadSpec, run_load
 from gateway.tools.stack import Stack as _Stack
 from gateway.tools.stack import free_port, serve
-
-try:  # `python -m bench.overhead` or `python bench/overhead.py`
-    from bench import _field as field_run
-    from bench._harness import sigterm_as_interrupt
-    from bench._load import LoadSpec, run_load
-except ImportError:
-    import _field as field_run  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _harness import sigterm_as_interrupt  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _load import LoadSpec, run_load  # type: ignore[no-redef,unused-ignore,import-not-found]
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

@@ -36,18 +36,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from gateway.tools.stack import Stack, start_gateway
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-try:  # `python -m bench.pipeline` or `python bench/pipeline.py`
-    from bench._harness import RESULTS_DIR, ROOT, environment, sigterm_as_interrupt, write_results
-except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        RESULTS_DIR,
-        ROOT,
-        environment,
-        sigterm_as_interrupt,
-        write_results,
-    )
+from bench._harness import RESULTS_DIR, ROOT, environment, sigterm_as_interrupt, write_results
+from gateway.tools.stack import Stack, start_gateway
 
 REQUEST: Final = b"GET /healthz HTTP/1.1\r\nhost: gateway\r\n\r\n"
 ANSWER: Final = b"HTTP/1.1 200 "

@@ -45,33 +45,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import redis
 
-try:  # `python -m bench.scenarios` or `python bench/scenarios.py`
-    from bench._harness import (
-        RESULTS_DIR,
-        environment,
-        parse_modes,
-        pin_client,
-        sigterm_as_interrupt,
-        write_results,
-    )
-    from bench._scenario_run import Scenario, Timing, Variant, run_variant
-except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        RESULTS_DIR,
-        environment,
-        parse_modes,
-        pin_client,
-        sigterm_as_interrupt,
-        write_results,
-    )
-    from _scenario_run import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        Scenario,
-        Timing,
-        Variant,
-        run_variant,
-    )
+from bench._harness import (
+    RESULTS_DIR,
+    environment,
+    parse_modes,
+    pin_client,
+    sigterm_as_interrupt,
+    write_results,
+)
+from bench._scenario_run import Scenario, Timing, Variant, run_variant
 
 PLAIN: Final = Variant("plain proxy")
 Results = dict[str, dict[str, Any]]  # variant name -> figures (run_variant)

@@ -74,38 +74,29 @@ from pathlib import Path
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import aiohttp
 import orjson
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-try:  # `python -m bench.soak` or `python bench/soak.py`
-    from bench._harness import (
-        RESULTS_DIR,
-        ROOT,
-        VENV_BIN,
-        environment,
-        pin_client,
-        sigterm_as_interrupt,
-        write_results,
-    )
-    from bench._harness import percentiles_ms as _percentiles_ms
-except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        RESULTS_DIR,
-        ROOT,
-        VENV_BIN,
-        environment,
-        pin_client,
-        sigterm_as_interrupt,
-        write_results,
-    )
-    from _harness import percentiles_ms as _percentiles_ms  # type: ignore[no-redef,unused-ignore,import-not-found]
-
+from bench._harness import (
+    RESULTS_DIR,
+    ROOT,
+    VENV_BIN,
+    environment,
+    pin_client,
+    sigterm_as_interrupt,
+    write_results,
+)
+from bench._harness import percentiles_ms as _percentiles_ms
 from gateway.auth import hash_key
 from gateway.sketch import nearest_rank
 from gateway.tools.load import run_async
 from gateway.tools.stack import Stack, free_port, start_gateway
+from gateway.tools.stream import StreamReader
 
 SOAK_KEY = "tg-soak-key"
 
@@ -332,63 +323,6 @@ class Outcome:
     detail: str | None = None
 
 
-class Events:
-    """SSE events of any of the four answers: content, the end marker and errors."""
-
-    __slots__ = ("buffer", "content", "done", "error", "error_code")
-
-    def __init__(self) -> None:
-        self.buffer = b""
-        self.content = 0  # events that carried text
-        self.done = False  # `[DONE]` or Anthropic's `message_stop`
-        self.error: str | None = None
-        self.error_code: str | None = None
-
-    def feed(self, data: bytes) -> None:
-        buffer = (self.buffer + data).replace(b"\r\n", b"\n")
-        start = 0
-        while (end := buffer.find(b"\n\n", start)) >= 0:
-            self._event(buffer[start:end])
-            start = end + 2
-        self.buffer = buffer[start:]
-
-    def _event(self, event: bytes) -> None:
-        lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-        if not lines:
-            return  # comments, keep-alives
-        payload = b"\n".join(lines)
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            self.error = f"bad event {payload[:120]!r}"
-            return
-        if not isinstance(obj, dict):
-            self.error = f"bad event {payload[:120]!r}"
-            return
-        if "error" in obj:
-            error = obj["error"]
-            self.error = f"error event {payload[:200]!r}"
-            self.error_code = error.get("code") if isinstance(error, dict) else None
-            return
-        kind = obj.get("type")
-        if kind == "message_stop":
-            self.done = True
-        elif kind == "content_block_delta":
-            delta = obj.get("delta")
-            if isinstance(delta, dict) and delta.get("text"):
-                self.content += 1
-        for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            delta = choice.get("delta")
-            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-            if isinstance(text, str) and text:
-                self.content += 1
-
-
 def request_body(kind: Kind, rng: random.Random) -> tuple[bytes, int]:
     """The body of one request, and how many embeddings it asks for (0 for the others)."""
     prompt = rng.choice(PROMPTS)
@@ -440,7 +374,7 @@ async def one_request(
     if kind.wire == "messages":
         headers["anthropic-version"] = "2023-06-01"
     started = time.perf_counter()
-    events = Events()
+    events = StreamReader()
     try:
         async with (
             asyncio.timeout(ABANDON_AFTER_S if kind.fault == "abandon" else None),
@@ -458,7 +392,7 @@ async def one_request(
                 outcome.detail = check_body(kind, await response.read(), inputs)
             else:
                 async for data in response.content.iter_any():
-                    events.feed(data)
+                    events.feed(data, time.perf_counter())
                     if kind.fault == "disconnect" and events.content and not events.done:
                         response.close()  # the client leaves mid-stream
                         outcome.verdict = "disconnected"
@@ -479,7 +413,7 @@ async def one_request(
         outcome.detail = f"{type(exc).__name__}: {exc}"
 
 
-def stream_problem(kind: Kind, events: Events) -> str | None:
+def stream_problem(kind: Kind, events: StreamReader) -> str | None:
     """None when a stream ended as it may: complete, or (`chat-cut`) cut after content."""
     if events.error is not None:
         if kind.fault == "cut" and events.content and events.error_code == "upstream_stream_error":

@@ -54,75 +54,37 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.tools.stack import Stack, free_port, start_gateway
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-try:  # `python -m bench.spill` or `python bench/spill.py`
-    from bench._harness import (
-        RESULTS_DIR,
-        ROOT,
-        environment,
-        parse_modes,
-        percentiles_ms,
-        pin_client,
-        sigterm_as_interrupt,
-        write_results,
-    )
-    from bench._spill_burst import BURST_PROFILE, burst_report, burst_targets, run_burst
-    from bench._spill_client import drive, schedule
-    from bench._spill_report import report, summarize
-    from bench._spill_setup import (
-        HOSTED_PROFILE,
-        LOCAL_PROFILE,
-        MAX_TOKENS,
-        METRICS_INTERVAL_S,
-        MODES,
-        STEPS_PCT,
-        TTFT_BUDGET_MS,
-        WARMUP_PCT,
-        Options,
-        gateway_config,
-        local_capacity_rps,
-        start_sim,
-    )
-except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        RESULTS_DIR,
-        ROOT,
-        environment,
-        parse_modes,
-        percentiles_ms,
-        pin_client,
-        sigterm_as_interrupt,
-        write_results,
-    )
-    from _spill_burst import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        BURST_PROFILE,
-        burst_report,
-        burst_targets,
-        run_burst,
-    )
-    from _spill_client import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        drive,
-        schedule,
-    )
-    from _spill_report import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        report,
-        summarize,
-    )
-    from _spill_setup import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        HOSTED_PROFILE,
-        LOCAL_PROFILE,
-        MAX_TOKENS,
-        METRICS_INTERVAL_S,
-        MODES,
-        STEPS_PCT,
-        TTFT_BUDGET_MS,
-        WARMUP_PCT,
-        Options,
-        gateway_config,
-        local_capacity_rps,
-        start_sim,
-    )
+from bench._harness import (
+    RESULTS_DIR,
+    ROOT,
+    environment,
+    parse_modes,
+    percentiles_ms,
+    pin_client,
+    sigterm_as_interrupt,
+    write_results,
+)
+from bench._spill_burst import BURST_PROFILE, burst_report, burst_targets, run_burst
+from bench._spill_client import drive, schedule
+from bench._spill_report import report, summarize
+from bench._spill_setup import (
+    HOSTED_PROFILE,
+    LOCAL_PROFILE,
+    MAX_TOKENS,
+    METRICS_INTERVAL_S,
+    MODES,
+    STEPS_PCT,
+    TTFT_BUDGET_MS,
+    WARMUP_PCT,
+    Options,
+    gateway_config,
+    local_capacity_rps,
+    start_sim,
+)
+from gateway.tools.stack import Stack, free_port, start_gateway
 
 PARTS = ("ramp", "burst")
 

@@ -50,45 +50,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import aiohttp
 
+from bench._harness import (
+    RESULTS_DIR,
+    ROOT,
+    environment,
+    parse_modes,
+    pin_client,
+    post_stream,
+    sigterm_as_interrupt,
+    stream_chat_body,
+    write_results,
+)
+from bench._harness import percentiles_ms as _percentiles_ms
+from bench._upstream import REQUEST_ID_PREFIX, STATS_PATH, start_upstream
 from gateway.tools.load import poisson_arrivals, run_async
 from gateway.tools.stack import Stack, free_port, start_gateway
-
-try:  # `python -m bench.tail` or `python bench/tail.py`
-    from bench._harness import (
-        RESULTS_DIR,
-        ROOT,
-        SSEReader,
-        environment,
-        parse_modes,
-        pin_client,
-        post_stream,
-        sigterm_as_interrupt,
-        stream_chat_body,
-        write_results,
-    )
-    from bench._harness import percentiles_ms as _percentiles_ms
-    from bench._upstream import REQUEST_ID_PREFIX, STATS_PATH, start_upstream
-except ImportError:
-    from _harness import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        RESULTS_DIR,
-        ROOT,
-        SSEReader,
-        environment,
-        parse_modes,
-        pin_client,
-        post_stream,
-        sigterm_as_interrupt,
-        stream_chat_body,
-        write_results,
-    )
-    from _harness import percentiles_ms as _percentiles_ms  # type: ignore[no-redef,unused-ignore,import-not-found]
-    from _upstream import (  # type: ignore[no-redef,unused-ignore,import-not-found]
-        REQUEST_ID_PREFIX,
-        STATS_PATH,
-        start_upstream,
-    )
+from gateway.tools.stream import StreamReader
 
 MODES: Final = ("none", "failover", "hedge")
 TAIL_QUANTILES: Final = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999))
@@ -216,7 +198,7 @@ async def one_request(
     origin = min(due, started)
     outcome = Outcome(phase=phase, lag_s=started - due)
     headers = {"content-type": "application/json", "x-request-id": request_id}
-    reader = SSEReader()
+    reader = StreamReader()
     outcome.status, answered, outcome.error, broken = await post_stream(
         session, url, body, headers, reader
     )

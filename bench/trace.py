@@ -42,6 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+if not __package__:  # `python bench/<script>.py`: `bench` is imported from the root
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import aiohttp
 import orjson
 
@@ -49,7 +52,6 @@ from bench import _trace_report as report
 from bench._harness import (
     RESULTS_DIR,
     ROOT,
-    SSEReader,
     environment,
     parse_modes,
     pin_client,
@@ -60,6 +62,7 @@ from bench._harness import (
 from bench._trace_data import TraceRow, describe, prompt_text, read_trace, synthetic_trace
 from bench._trace_upstream import LatencyModel, State, TraceUpstream
 from gateway.tools.stack import Stack, free_port, serve
+from gateway.tools.stream import StreamReader
 
 ARMS: Final = ("direct", "plain", "one", "configured")
 SCENARIOS: Final = ("steady", "drift", "outage")
@@ -163,7 +166,7 @@ async def one_request(
     started = time.perf_counter()
     origin = min(due, started)
     outcome = report.Outcome(index, row.t, (len(body) + 3) // 4, lag_s=started - due)
-    reader = SSEReader(errors_only_after_first=True)
+    reader = StreamReader(errors_only_after_first=True)
     headers = {"content-type": "application/json", "x-request-id": f"tr-{index}"}
     streamed = await post_stream(session, arm.url, body, headers, reader)
     outcome.error = streamed.error

@@ -16,10 +16,11 @@ Two ways to drive load:
   clock of every request queued behind it: coordinated omission cannot hide it. (Or, on request,
   from when it went out, the client's own lag reported apart.)
 
-Streams are parsed as server-sent events: TTFT is the time to the first `data:` event carrying
-content (`choices[].delta.content`, or `choices[].text` for completions). Every answer is checked
-against its `Request` (status 200, the expected body, the expected number of content tokens when
-given, a final `[DONE]` for streams); failures are counted and a few kept as samples.
+Streams are read by `gateway.tools.stream.StreamReader` (the gateway's own SSE parser beneath):
+TTFT is the time to the first event carrying content (`choices[].delta.content`, or
+`choices[].text` for completions). Every answer is checked against its `Request` (status 200,
+the expected body, the expected number of content tokens when given, a final `[DONE]` for
+streams); failures are counted and a few kept as samples.
 
 A warm-up (`Client.warm_up`) goes before a loop and is not counted, so a caller that measures
 something else over the run (another process's CPU) measures exactly the loop. `run_load` runs a
@@ -44,6 +45,7 @@ import httptools
 import orjson
 
 from gateway.sketch import nearest_rank
+from gateway.tools.stream import StreamReader
 
 __all__ = [
     "BULK_HEADERS",
@@ -121,81 +123,37 @@ class Request:
 
 
 class _Exchange:
-    """One request and its response: status, when the first content arrived, and the body."""
+    """One request and its response: status, its stream as read so far, and the body."""
 
-    __slots__ = (
-        "buffer",
-        "content",
-        "done",
-        "error",
-        "keep_alive",
-        "parts",
-        "received",
-        "status",
-        "stream",
-        "t_end",
-        "t_first",
-    )
+    __slots__ = ("keep_alive", "parts", "received", "status", "stream", "t_end")
 
     def __init__(self, stream: bool) -> None:
-        self.stream = stream
+        self.stream = StreamReader() if stream else None
         self.status = 0
         self.received = 0  # response bytes, headers included
-        self.t_first: float | None = None
         self.t_end = 0.0
-        self.buffer = b""
         self.parts: list[bytes] = []
-        self.content = 0  # streamed events carrying content
-        self.done = False
-        self.error: str | None = None
         self.keep_alive = False
 
     def on_body(self, data: bytes) -> None:
-        if not self.stream or self.status != 200:
+        if self.stream is None or self.status != 200:
             self.parts.append(data)
-            return
-        buffer = (self.buffer + data if self.buffer else data).replace(b"\r\n", b"\n")
-        start = 0
-        while (end := buffer.find(b"\n\n", start)) >= 0:
-            self._event(buffer[start:end])
-            start = end + 2
-        self.buffer = buffer[start:]
-
-    def _event(self, event: bytes) -> None:
-        if not event.startswith(b"data:"):
-            return  # comments, keep-alives
-        payload = event[5:].strip()
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            self.error = f"bad event {payload[:80]!r}"
-            return
-        if not isinstance(obj, dict) or "error" in obj:
-            self.error = f"error event {payload[:200]!r}"
-            return
-        for choice in obj.get("choices") or ():
-            delta = choice.get("delta") if isinstance(choice, dict) else None
-            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-            if isinstance(text, str) and text:
-                self.content += 1
-                if self.t_first is None:
-                    self.t_first = time.perf_counter()
+        else:
+            self.stream.feed(data, time.perf_counter())
 
     def problem(self, request: Request) -> str | None:
         """None when the answer is complete and well formed, else what is wrong with it."""
         if self.status != 200:
             return f"status {self.status}: {b''.join(self.parts)[:200]!r}"
-        if self.error is not None:
-            return self.error
-        if self.stream:
-            if not self.done:
+        stream = self.stream
+        if stream is not None:
+            if stream.error is not None:
+                return stream.error
+            if not stream.done:
                 return "stream ended without [DONE]"
-            if not self.content and request.tokens is None:
+            if not stream.content and request.tokens is None:
                 return "stream without content"
-            tokens = self.content
+            tokens = stream.content
         else:
             try:
                 obj = orjson.loads(b"".join(self.parts))
@@ -341,7 +299,8 @@ class Client:
         finally:
             if conn is not None:
                 self._release(conn, reusable)
-        first = None if exchange.t_first is None else exchange.t_first - origin
+        t_first = None if exchange.stream is None else exchange.stream.t_first
+        first = None if t_first is None else t_first - origin
         return exchange.t_end - origin, first, problem
 
     async def warm_up(self, request: Request, count: int, width: int = 1) -> None:
