@@ -162,7 +162,7 @@ def test_a_budget_lead_with_no_fitting_successor_gets_no_ttft_deadline() -> None
 @pytest.mark.parametrize(
     "lead",
     [
-        metric(900.0, p95=700.0, p90=300.0),  # fits by its p99, with a tail that can stall
+        metric(990.0, p95=600.0, p90=300.0),  # fits by its p99, with a tail that can stall
         metric(8000.0, p95=5000.0, p90=200.0),  # fits only if its 8% stalls are rescued
     ],
 )
@@ -213,6 +213,16 @@ def test_the_rescuer_is_the_fastest_candidate_not_the_next_in_order(
     assert rescuer(primary, [second, small], budget, call()) is small
 
 
+def test_a_lead_without_a_tail_to_rescue_is_not_hedged() -> None:
+    """A fast lead (p99 0.4 s) with only slower candidates to rescue it (0.6 s): a hedge started
+    at its p95 would land after even its p99, so none is planned; it fits on its own."""
+    budget = Budget(ttft_s=1.0, on_ttft_miss="hedge", rescue_share=0.10, model="m")
+    fast = cand("fast", metric(400.0, p95=300.0, p90=250.0))
+    slower = cand("slower", metric(900.0, p95=700.0, p90=600.0))
+    assert rescue_point(1.0, fast, slower, hedge=True) is None
+    assert fits(fast, slower, budget, call()) is True
+
+
 def test_of_two_rescuers_started_at_the_same_point_the_faster_rescues() -> None:
     """Two heavy-tailed rescuers both start at the primary's own p95 (neither tail lands
     otherwise): the one with the lower typical TTFT rescues, whatever the order."""
@@ -236,7 +246,8 @@ def test_a_fallback_seen_in_a_few_fast_samples_rescues_before_a_slow_trusted_one
     few_fast = fallback("s", MetricStats(150.0, 180.0, 190.0, 200.0, 6, False))
     assert rescuer(primary, [second, few_fast], budget, call()) is few_fast
     assert rescue_point(1.0, primary, few_fast, hedge=True) == pytest.approx(1.0 - 0.198)
-    assert rescue_point(1.0, primary, second, hedge=True) == pytest.approx(0.29)
+    # The second, started at the primary's p95 (0.29 s), would land after even its p99.
+    assert rescue_point(1.0, primary, second, hedge=True) is None
 
 
 def test_a_deployment_of_the_requested_model_that_can_be_saved_leads_before_a_fallback() -> None:
@@ -529,7 +540,10 @@ def test_hedge_point_is_as_early_as_the_successors_tail_needs_when_the_budget_is
     loses to it, and one of the two prefills is thrown away."""
     a = cand("a", metric(900.0, p95=400.0))  # 0.9 + 1.1 * 0.3 = 1.23 > 1.0: tight
     assert deadline(1.0, cand("b", FAST)) == pytest.approx(0.67)
-    assert hedge_point(1.0, a, cand("b", FAST)) == pytest.approx(0.67)
+    stalls = cand("a", metric(3000.0, p95=400.0))
+    assert hedge_point(1.0, stalls, cand("b", FAST)) == pytest.approx(0.67)
+    # Started at 0.67 s, FAST would land at 0.97 s: after even a's p99 (0.9 s). No hedge.
+    assert hedge_point(1.0, a, cand("b", FAST)) is None
     tailed = cand("b", metric(450.0, p95=350.0, p90=300.0))  # its p99 lands if started by 0.505
     assert hedge_point(1.0, a, tailed) == pytest.approx(1.0 - 0.495)
     heavy = cand("b", metric(800.0, p95=350.0, p90=300.0))  # not even by the p95: at the p95
@@ -545,7 +559,7 @@ def test_an_attempt_that_is_long_not_late_is_not_hedged() -> None:
     successor = cand("b", MetricStats(360.0, 360.0, 360.0, 360.0, 100, True))
     assert hedge_point(1.0, long_prompt, successor) is None
     assert rescue_point(1.0, long_prompt, successor, hedge=True) is None
-    short = cand("a", MetricStats(180.0, 250.0, 300.0, 900.0, 100, True))
+    short = cand("a", MetricStats(180.0, 250.0, 300.0, 3000.0, 100, True))  # 1% stall
     assert rescue_point(1.0, short, successor, hedge=True) == pytest.approx(1.0 - 0.396)
 
 

@@ -221,7 +221,7 @@ async def test_an_error_fails_over_to_the_requested_model_before_a_faster_fallba
     primary, second = Upstream("large", fails=True), Upstream("second", ttft_s=0.01)
     small = Upstream("small", ttft_s=0.01)
     found = [
-        replace(_measured(candidate(primary), 800.0, 500.0, 300.0), model="m"),
+        replace(_measured(candidate(primary), 3000.0, 500.0, 300.0), model="m"),
         replace(_measured(candidate(second), 1500.0, 1200.0, 850.0), model="m"),
         replace(_measured(candidate(small), 300.0, 300.0, 300.0), model="small"),
     ]

@@ -294,7 +294,10 @@ def hedge_point(
             # of the two prefills is thrown away.
             tail = successor.ttft_p99_s or typical  # no tail known: none to wait for
             safe = remaining_s - tail * SUCCESSOR_MARGIN
-            return min(at, max(soon, safe))
+            at = min(at, max(soon, safe))
+            # Even its p99 comes before a hedge started then would land (a fast lead, a slower
+            # rescuer): it has no tail to rescue, only a prefill to throw away.
+            return None if p99 <= at + typical else at
         own = _typical_s(candidate)
         if own is not None and at < own:
             # It would hedge more than a tenth of these prompts (a long one, whose typical first
