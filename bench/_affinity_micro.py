@@ -14,10 +14,10 @@ import orjson
 
 from gateway.config import AffinitySpec, DeploymentSpec
 from gateway.models import Call
-from gateway.providers.base import Provider
 from gateway.providers.vllm import Histogram, ServerLoad
 from gateway.routing.affinity import Affinity, prefix_chain
 from gateway.routing.plan import Candidate, Plan
+from gateway.upstream import Provider
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 70}
 

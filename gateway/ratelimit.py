@@ -11,21 +11,20 @@ tokens the upstream reported, in the background: corrections are summed per key 
 owed: the bucket goes below zero and the key is refused until it has refilled, however long
 that takes.
 
-When Redis fails or is slower than `timeout_ms`, a breaker stops asking it for a while and the
-policy decides: `open` enforces the same limits in this process alone, `closed` refuses the
-request with 503. The breaker opens once per outage (the checks that fail together are one
-failure), for 1 s, doubling with each failed probe to 30 s; after the cooldown one check probes
-Redis while the others are decided without it, and a probe that succeeds closes the breaker.
-The timeout counts Redis's time, not this process's: see `gateway.redis.Deadline`.
+When Redis fails or is slower than `timeout_ms`, a breaker (`gateway.redis.Breaker`) stops
+asking it for a while and the policy decides: `open` enforces the same limits in this process
+alone, `closed` refuses the request with 503. The breaker opens once per outage (the checks that
+fail together are one failure), for 1 s, doubling with each failed probe to 30 s; after the
+cooldown one check probes Redis while the others are decided without it, and a probe that
+succeeds closes the breaker. The timeout counts Redis's time, not this process's: see
+`gateway.redis.Deadline`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,9 +38,7 @@ from gateway.config import RateLimitSpec, Settings
 from gateway.errors import KeyRateLimitedError, OverloadedError
 from gateway.latency import LatencyStore
 from gateway.models import Call, Wire
-from gateway.redis import Deadline, RedisClient, connect_redis, max_wait_s
-
-log = logging.getLogger("tailguard")
+from gateway.redis import Breaker, Deadline, RedisClient, connect_redis, max_wait_s
 
 _WINDOW_MS = 60_000
 
@@ -229,21 +226,23 @@ class RateLimiter:
         self._timeout_s = spec.timeout_ms / 1000
         self._fail_open = spec.on_store_error == "open"
         self._default_output = spec.default_output_tokens
-        self._clock = clock
         self._local = LocalBuckets(clock)
         self._script = redis.register_script(_SCRIPT) if redis is not None else None
-        # The breaker: closed while `_backoff_s` is 0; else open until `_retry_at`, then
-        # half-open (one probe at a time) until a probe succeeds.
-        self._retry_at = 0.0
-        self._backoff_s = 0.0
-        self._probing = False
+        self._breaker = Breaker(
+            "rate-limit store",
+            fallback="enforcing limits per replica" if self._fail_open else "refusing limited keys",
+            backoff_min_s=1.0,
+            backoff_max_s=30.0,
+            # Never longer than the back-off: a refusal's retry-after promises it.
+            jitter=(0.8, 1.0),
+            clock=clock,
+        )
         self._settling: set[asyncio.Task[None]] = set()
         self._owed: dict[tuple[str, int], int] = {}  # (key name, tpm) -> tokens not yet settled
         self._settle_timer: asyncio.TimerHandle | None = None
         # Checks made in this turn of the event loop, per key, sent together on the next.
         self._batches: dict[str, list[_Waiting]] = {}
         self.store_errors = 0  # checks the store failed to answer
-        self.outages = 0  # times the breaker opened: one per failure episode
         self.loop_lag_waits = 0  # checks given more time because this process's loop was late
         self.refused: dict[tuple[str, str], int] = {}  # by (key name, requests | tokens)
 
@@ -252,16 +251,21 @@ class RateLimiter:
         return "redis" if self._redis is not None else "memory"
 
     @property
+    def outages(self) -> int:
+        """Times the breaker opened: one per failure episode."""
+        return self._breaker.outages
+
+    @property
     def degraded(self) -> bool:
         """Whether limits are decided without Redis (per replica, or refused): from the
         breaker's opening until a probe finds Redis answering again."""
-        return self._redis is not None and self._backoff_s > 0
+        return self._redis is not None and self._breaker.degraded
 
     def health(self) -> dict[str, Any]:
         """The rate-limit part of `/readyz`."""
         retry_in = None
         if self.degraded:
-            retry_in = round(max(0.0, self._retry_at - self._clock()), 3)
+            retry_in = round(self._breaker.wait_s(), 3)
         return {
             "store": self.store,
             "degraded": self.degraded,
@@ -367,7 +371,7 @@ class RateLimiter:
         task.add_done_callback(self._settling.discard)
 
     async def _answer_batch(self, name: str, batch: list[_Waiting]) -> None:
-        if self._backoff_s > 0 and len(batch) > 1:
+        if self._breaker.degraded and len(batch) > 1:
             # The breaker is open or half-open: at most one check probes Redis; the others are
             # decided now, not after the probe's timeout.
             _answer_now(batch[1:], lambda checks: self._fallback(name, checks))
@@ -391,13 +395,9 @@ class RateLimiter:
         """Apply `checks` (limits, costs, check first) to one key in order, in one round trip."""
         if self._script is None:
             return self._fallback(name, checks)
-        probe = self._backoff_s > 0
-        if probe and (self._probing or self._clock() < self._retry_at):
+        ticket = self._breaker.ask()
+        if ticket is None:
             return self._fallback(name, checks)
-        # A failure opens the breaker only if it did not open meanwhile: one outage, one opening.
-        outage = self.outages
-        if probe:
-            self._probing = True
         keys = [f"tg:rl:{{{name}}}:requests", f"tg:rl:{{{name}}}:tokens"]
         args = [
             value
@@ -408,16 +408,12 @@ class RateLimiter:
             out = await self._run(keys, args)
         except (RedisError, OSError, TimeoutError) as exc:
             self.store_errors += len(checks)
-            if outage == self.outages:
-                self._trip(exc)
+            self._breaker.failed(ticket, exc)  # opens it, once per outage
             return self._fallback(name, checks)
-        finally:
-            if probe:
-                self._probing = False
-        # Closed, unless the breaker opened while this check was under way: the checks begun
-        # since may be failing.
-        if outage == self.outages:
-            self._backoff_s = 0.0
+        except BaseException:
+            self._breaker.abandoned(ticket)
+            raise
+        self._breaker.succeeded(ticket)
         values = [int(v) for v in out]
         return [values[i : i + _OUT] for i in range(0, len(values), _OUT)], "redis"
 
@@ -438,21 +434,9 @@ class RateLimiter:
         if self._redis is not None and not self._fail_open:
             raise OverloadedError(
                 "Rate limits cannot be checked right now; the request was not sent.",
-                retry_after_s=max(1.0, self._retry_at - self._clock()),
+                retry_after_s=max(1.0, self._breaker.wait_s()),
             )
         return [self._local.take(name, lim, cost, check) for lim, cost, check in checks], "local"
-
-    def _trip(self, exc: BaseException) -> None:
-        self.outages += 1
-        self._backoff_s = min(30.0, max(1.0, self._backoff_s * 2))
-        # Jitter, so replicas that failed together do not all come back in the same instant.
-        self._retry_at = self._clock() + self._backoff_s * random.uniform(0.8, 1.0)
-        log.warning(
-            "rate-limit store unreachable (%s); %s for %.0f s",
-            type(exc).__name__,
-            "enforcing limits per replica" if self._fail_open else "refusing limited keys",
-            self._backoff_s,
-        )
 
     async def aclose(self) -> None:
         if self._settle_timer is not None:  # send what is owed (each call is bounded)

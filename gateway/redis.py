@@ -1,15 +1,22 @@
-"""Redis connections shared by the latency store and the rate limiter.
+"""Redis connections, and when to call Redis, shared by the latency store, the rate limiter and
+the stored responses.
 
 `parse_redis_url` checks a URL and says which topology it names (a standalone Redis, a
 Sentinel-managed one or a Redis Cluster); `connect_redis` builds a client for it with short
-timeouts, no retries and a small pool. Nothing here talks to Redis: the callers own what their
-commands mean and when to try again.
+timeouts, no retries and a small pool. `Breaker` decides when Redis may be called after a
+failure, and `Deadline` when a call has waited long enough. Nothing here talks to Redis: the
+callers own what their commands mean and what to do without them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import random
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote
@@ -21,7 +28,19 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
-__all__ = ["RedisClient", "RedisTarget", "RedisTopology", "connect_redis", "parse_redis_url"]
+__all__ = [
+    "Breaker",
+    "Deadline",
+    "RedisClient",
+    "RedisTarget",
+    "RedisTopology",
+    "Ticket",
+    "connect_redis",
+    "max_wait_s",
+    "parse_redis_url",
+]
+
+log = logging.getLogger(__name__)
 
 RedisClient = Redis | RedisCluster
 """What the callers talk to: a standalone or Sentinel-managed Redis, or a Redis Cluster."""
@@ -282,3 +301,143 @@ class Deadline:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+class Ticket:
+    """One call to Redis the breaker let through; hand it back with how the call went."""
+
+    __slots__ = ("outage", "probe")
+
+    def __init__(self, outage: int, probe: bool) -> None:
+        self.outage = outage  # the breaker's openings when the call began
+        self.probe = probe  # the half-open breaker's one probe
+
+
+class Breaker:
+    """Whether Redis may be called now. Every caller of Redis (the latency store, the rate
+    limiter, the stored responses) asks it before a call and tells it how the call went.
+
+    Closed, every call goes. A failure opens it for a jittered back-off that starts at
+    `backoff_min_s` and doubles with each opening, up to `backoff_max_s`. It opens once per
+    outage: a failure of a call begun before the latest opening is the same outage (calls in
+    flight when Redis stops answering fail together), and a success of such a call proves
+    nothing about now. Once the back-off is over the breaker is half-open: one call probes Redis
+    while the others are turned away at once; a probe that fails opens it again for twice as
+    long, one that succeeds closes it.
+
+    What differs between the callers is a parameter: the back-off's bounds, the jitter (a
+    factor drawn from `jitter` multiplies each back-off, so that replicas which failed together
+    do not come back in the same instant), and what the log says the caller does meanwhile
+    (`fallback`). Each opening is logged with the exception's type only (a message could quote
+    an address or credentials), and the recovery once.
+    """
+
+    __slots__ = (
+        "_backoff_s",
+        "_clock",
+        "_failures",
+        "_jitter",
+        "_max_s",
+        "_min_s",
+        "_probing",
+        "_retry_at",
+        "_ticket",
+        "_uniform",
+        "fallback",
+        "last_error",
+        "name",
+        "outages",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        fallback: str,
+        backoff_min_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        jitter: tuple[float, float] = (0.8, 1.2),
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.name = name  # who calls Redis, as the log names it
+        self.fallback = fallback  # what it does while the breaker is open
+        self._min_s = backoff_min_s
+        self._max_s = backoff_max_s
+        self._jitter = jitter
+        self._clock = clock
+        self._uniform = (rng or random).uniform
+        self._backoff_s = 0.0  # 0: closed
+        self._retry_at = -math.inf
+        self._probing = False
+        self._failures = 0  # failed calls in this outage
+        self.outages = 0  # times the breaker opened
+        self.last_error: str | None = None  # the exception type of the latest failure
+        self._ticket = Ticket(0, False)  # every call's while closed: none is a probe
+
+    @property
+    def degraded(self) -> bool:
+        """From an opening until a call finds Redis answering again."""
+        return self._backoff_s > 0
+
+    @property
+    def state(self) -> Literal["ok", "degraded"]:
+        return "degraded" if self._backoff_s > 0 else "ok"
+
+    def wait_s(self) -> float:
+        """Seconds until the next probe may go (0: now, or closed)."""
+        return max(0.0, self._retry_at - self._clock()) if self._backoff_s > 0 else 0.0
+
+    def ask(self) -> Ticket | None:
+        """A ticket for one call now, or None: leave Redis alone (open, or a probe is out)."""
+        if not self._backoff_s:
+            return self._ticket
+        if self._probing or self._clock() < self._retry_at:
+            return None
+        self._probing = True
+        return Ticket(self.outages, True)
+
+    def force(self) -> Ticket:
+        """A ticket for a call made whatever the breaker says (an explicit or final flush); it is
+        not the probe, but its success closes the breaker all the same."""
+        return self._ticket
+
+    def retry_now(self) -> None:
+        """End the back-off: the next call probes (the state is unchanged)."""
+        self._retry_at = -math.inf
+
+    def failed(self, ticket: Ticket, exc: BaseException) -> None:
+        """The call failed: opens the breaker, unless this outage opened it already."""
+        if ticket.probe:
+            self._probing = False
+        self._failures += 1
+        self.last_error = type(exc).__name__
+        if ticket.outage != self.outages:
+            return
+        self.outages += 1
+        self._ticket = Ticket(self.outages, False)
+        self._backoff_s = min(self._max_s, max(self._min_s, self._backoff_s * 2))
+        wait_s = self._backoff_s * self._uniform(*self._jitter)
+        self._retry_at = self._clock() + wait_s
+        log.warning(
+            "%s: Redis failed (%s); %s for %.1f s",
+            self.name,
+            self.last_error,
+            self.fallback,
+            wait_s,
+        )
+
+    def succeeded(self, ticket: Ticket) -> None:
+        """The call succeeded: closes the breaker, unless it opened while the call was out."""
+        if ticket.probe:
+            self._probing = False
+        if self._backoff_s and ticket.outage == self.outages:
+            log.warning("%s: Redis is back (%d failed calls)", self.name, self._failures)
+            self._backoff_s = 0.0
+            self._retry_at = -math.inf
+            self._failures = 0
+
+    def abandoned(self, ticket: Ticket) -> None:
+        """The call ended neither way (cancelled): the probe is free for the next call."""
+        if ticket.probe:
+            self._probing = False

@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from gateway.latency import (
     run_store,
 )
 from gateway.providers import open_providers
-from gateway.providers.base import Provider
+from gateway.providers.base import decode_body
 from gateway.providers.vllm import Scraper, ServerState
 from gateway.ratelimit import Admission, RateLimiter, open_rate_limiter
 from gateway.redis import connect_redis
@@ -69,6 +70,7 @@ from gateway.telemetry.prometheus import (
     BulkPreemptionsCollector,
     ResponsesStoreCollector,
 )
+from gateway.upstream import Provider
 
 log = logging.getLogger("tailguard")
 
@@ -411,7 +413,12 @@ def _batchers(
             provider = providers[d.provider]
             if d.id not in batchers and provider.wire == "openai":
                 batchers[d.id] = BatchingProvider(
-                    provider, d.id, model.batching, observer=meters.batch, gate=gate
+                    provider,
+                    d.id,
+                    model.batching,
+                    decode=partial(decode_body, "openai", scrub=provider.scrub),
+                    observer=meters.batch,
+                    gate=gate,
                 )
     return batchers
 

@@ -145,8 +145,8 @@ async def test_a_quiet_spell_grows_the_limit_no_further_than_the_learned_slots()
     """With no interactive traffic bulk grows its limit, but never past the server's learned
     batch slots (max_concurrency is far above them)."""
     clock = Clock()
-    g = on_vllm(clock, server(clock, slots=6), initial_concurrency=1, reserve_slots=0)
-    state = g._servers["d"].state
+    state = server(clock, slots=6)
+    g = on_vllm(clock, state, initial_concurrency=1, reserve_slots=0)
     await g.acquire("d")
     waiting = [asyncio.create_task(g.acquire("d"))]
     for _ in range(30):

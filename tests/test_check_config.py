@@ -22,8 +22,8 @@ from gateway.cli import app
 from gateway.config import Settings, load_settings
 from gateway.models import Call
 from gateway.providers import open_providers
-from gateway.providers.base import Provider
 from gateway.routing import candidates, fallback_chain
+from gateway.upstream import Provider
 
 CONFIGS = sorted([Path("config/gateway.yaml"), *Path("config/examples").glob("*.yaml")])
 

@@ -164,7 +164,13 @@ def test_arrows_point_one_way() -> None:
         "gateway.latency": ("gateway.api", "gateway.routing", "gateway.providers"),
         "gateway.redis": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.latency"),
         "gateway.telemetry": ("gateway.api", "gateway.routing", "gateway.providers"),
-        "gateway.batching": ("gateway.api", "gateway.routing", "gateway.runtime"),
+        # Batching wraps providers through the interface (`gateway.upstream`) alone.
+        "gateway.batching": (
+            "gateway.api",
+            "gateway.routing",
+            "gateway.runtime",
+            "gateway.providers",
+        ),
         "gateway.auth": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.runtime"),
         "gateway.ratelimit": ("gateway.api", "gateway.routing", "gateway.providers"),
         "gateway.responses_store": (
@@ -179,6 +185,48 @@ def test_arrows_point_one_way() -> None:
         "gateway.sse": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.config"),
     }
     found = [v for room, banned in rules.items() for v in _violations([room], banned)]
+    assert found == []
+
+
+def test_the_provider_interface_is_a_leaf() -> None:
+    """`gateway.upstream` (the provider interface) reaches nothing but the ground floor's
+    `models` and leaves, so that every room may import it."""
+    found = sorted(
+        t for t in reaches("gateway.upstream") if t != "gateway.models" and not _is_leaf(t)
+    )
+    assert found == []
+
+
+def _adapters() -> list[str]:
+    """The modules of `providers/` defining a concrete adapter: a class with `supports` and an
+    async `open` (the `Provider` interface's methods)."""
+    found = []
+    for module in _room("gateway.providers"):
+        for node in ast.walk(ast.parse(_sources()[module].read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = {
+                    (type(f).__name__, f.name)
+                    for f in node.body
+                    if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                }
+                if {("AsyncFunctionDef", "open"), ("FunctionDef", "supports")} <= methods:
+                    found.append(module)
+                    break
+    return found
+
+
+def test_only_providers_import_a_concrete_adapter() -> None:
+    """Concrete adapters sit behind the interface: outside `providers/`, code imports
+    `gateway.upstream` (and `gateway.providers.open_providers` builds them), never an adapter."""
+    adapters = _adapters()
+    assert {"gateway.providers.http", "gateway.providers.simulated"} <= set(adapters)
+    found = [
+        f"{module} imports {name}"
+        for module in _sources()
+        if not _in(module, "gateway.providers")
+        for name in imported_names(module)
+        if any(_in(name, adapter) for adapter in adapters)
+    ]
     assert found == []
 
 

@@ -20,7 +20,7 @@ from gateway.errors import CoolingDownError, InvalidRequestError
 from gateway.latency import BandStats, MetricStats, Snapshot, TargetStats
 from gateway.models import Call, Endpoint, UpstreamRequest, Wire
 from gateway.prompt_size import band_of
-from gateway.providers.base import StreamLimits, UpstreamStream
+from gateway.providers.base import stream_limits
 from gateway.routing.plan import (
     Budget,
     Candidate,
@@ -40,11 +40,12 @@ from gateway.routing.plan import (
     with_exploration,
 )
 from gateway.scrubbing import Scrubber
+from gateway.upstream import StreamLimits, UpstreamStream
 
 MIN_SAMPLES = 20
 
 
-DEFAULT_LIMITS = StreamLimits.of(ProviderSpec(type="simulated"))
+DEFAULT_LIMITS = stream_limits(ProviderSpec(type="simulated"))
 
 
 @dataclass

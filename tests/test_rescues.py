@@ -17,10 +17,10 @@ from gateway.config import CooldownSpec, DeploymentSpec, OnTTFTMiss, PriorSpec, 
 from gateway.errors import AllCandidatesFailedError, ProviderError
 from gateway.latency import MemoryLatencyStore, MetricStats, TargetStats
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import StreamLimits, UpstreamStream
 from gateway.routing import Budget, Candidate, Guards, Ledger, Opened, Plan, open_first, plan
 from gateway.routing.attempts import background_done
 from gateway.scrubbing import Scrubber
+from gateway.upstream import StreamLimits, UpstreamStream
 from gateway.validate import parse_call
 from tests.timing import scaled
 

@@ -15,7 +15,7 @@ one at a time. Bulk requests beyond the limit wait in a bounded queue; beyond it
 On a vLLM deployment whose load is known (its metrics scraped), the gate steers on the server
 itself as well:
 
-- Capacity. The limit never exceeds the server's learned batch slots (`ServerState.slots`, else
+- Capacity. The limit never exceeds the server's learned batch slots (`Server.slots`, else
   `max_concurrency`), less the interactive requests in flight on it; on a first-come-first-served
   server (no `bulk_priority`) less `reserve_slots` too, so an interactive arrival finds a free
   slot instead of a queue of bulk (a batch job running alone leaves them free as well: the
@@ -43,11 +43,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.batching.preempt import Hold, victims
 from gateway.config import BulkSpec
 from gateway.errors import OverloadedError
-from gateway.providers.vllm import ServerLoad, ServerState
 
 GROW_EVERY_S = 1.0  # additive increase: at most one step per this long
 SETTLE_S = 2.0  # and none this soon after a cut: the queue it left must drain first
@@ -57,11 +57,31 @@ FLOOR_SAMPLES = 5  # first tokens needed before that floor is trusted
 _EPSILON = 1e-9
 
 
+class Load(Protocol):
+    """What the gate reads of one scrape of a server."""
+
+    @property
+    def waiting(self) -> float: ...
+    @property
+    def kv_usage(self) -> float | None: ...
+
+
+class Server(Protocol):
+    """What the gate reads of a vLLM server (`gateway.providers.vllm.ServerState`, handed over
+    by the composition root: batching imports no provider)."""
+
+    @property
+    def interval_s(self) -> float: ...
+    @property
+    def slots(self) -> float | None: ...
+    def current(self) -> Load | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Upstream:
     """The vLLM server behind a deployment, as the gate reads it."""
 
-    state: ServerState
+    state: Server
     prioritized: bool = False  # bulk is sent with a lower vLLM `priority`
 
 
@@ -101,7 +121,7 @@ class _Lane:
     interactive: int = 0  # interactive requests in flight
     shown: bool = False  # bulk or a first token was seen: the lane is in the metrics
     full: bool = False  # the latest scrape showed the server full
-    seen: ServerLoad | None = None  # the scrape `full` was read from
+    seen: Load | None = None  # the scrape `full` was read from
     floors: dict[str, _Floor] = field(default_factory=dict)  # by prompt band
     holds: list[Hold] = field(default_factory=list)  # bulk work in flight that may be preempted
     timer: asyncio.TimerHandle | None = None

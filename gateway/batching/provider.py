@@ -31,11 +31,14 @@ from gateway.config import BatchingSpec
 from gateway.errors import OverloadedError, ProviderError, ProviderRejectedError, inband_error
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.numbers import count as token_count
-from gateway.providers.base import Provider, UpstreamStream, decode_body
-from gateway.scrubbing import Scrubber
+from gateway.upstream import Provider, UpstreamStream
 
 BATCHED_ENDPOINTS: tuple[Endpoint, ...] = ("embeddings", "completions")
 _PARTS = {"embeddings": "input", "completions": "prompt"}
+
+BodyDecoder = Callable[[bytes], Chunk]
+"""The wrapped provider's reading of a whole OpenAI answer (with its scrubber): batching imports
+no adapter, so whoever builds the batcher hands it this."""
 
 Observer = Callable[[str, str, int, list[float]], None]
 """Called when a batch leaves: (deployment, endpoint, inputs, each request's wait in seconds)."""
@@ -69,6 +72,7 @@ class BatchingProvider:
         deployment: str,
         spec: BatchingSpec,
         *,
+        decode: BodyDecoder,
         observer: Observer | None = None,
         gate: BulkGate | None = None,
     ) -> None:
@@ -83,6 +87,7 @@ class BatchingProvider:
         self.scrub = inner.scrub
         self.bulk_priority = inner.bulk_priority
         self.limits = inner.limits
+        self._decode = decode
         self._observer = observer
         self._queues: dict[tuple[str, bytes], BatchQueue[_Part, _Answer]] = {}
         self.rejected = 0  # requests refused because their queue was full
@@ -114,7 +119,7 @@ class BatchingProvider:
         except OverloadedError:
             self.rejected += 1
             raise
-        return _Answered(self.wire, answer, self.scrub)
+        return _Answered(answer, self._decode)
 
     def _new_queue(
         self, key: tuple[str, bytes], request: UpstreamRequest
@@ -235,15 +240,14 @@ class _Answered:
     streaming = False
     status = 200
 
-    def __init__(self, wire: Wire, answer: _Answer, scrub: Scrubber) -> None:
-        self._wire = wire
-        self._scrub = scrub
+    def __init__(self, answer: _Answer, decode: BodyDecoder) -> None:
+        self._decode = decode
         self._body: bytes | None = answer.body
         self.upstream_request_id = answer.upstream_request_id
 
     async def read(self) -> list[Chunk] | None:
         body, self._body = self._body, None
-        return None if body is None else [decode_body(self._wire, body, scrub=self._scrub)]
+        return None if body is None else [self._decode(body)]
 
     async def aclose(self) -> None:
         self._body = None

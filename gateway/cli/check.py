@@ -111,9 +111,9 @@ def _explain(settings: Settings, path: Path) -> dict[str, Any]:
     from gateway.errors import InvalidRequestError
     from gateway.models import Call
     from gateway.providers import can_serve, open_providers
-    from gateway.providers.base import Provider
     from gateway.redis import parse_redis_url
     from gateway.routing import Candidate, candidates, fallback_chain
+    from gateway.upstream import Provider
 
     async def build() -> dict[str, Provider]:
         async with AsyncExitStack() as stack:

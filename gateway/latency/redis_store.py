@@ -2,8 +2,9 @@
 
 `RedisLatencyStore` keeps the memory store's window (the request path and the fallback) and adds
 the sharing: `_SharedSlices` is the Redis side (key layout, the write of this replica's totals,
-the read of every replica's), `_Breaker` decides when Redis may be called again after a failure,
-and `_pack` / `_unpack_into` are the format of one replica's totals in a hash field.
+the read of every replica's), `gateway.redis.Breaker` decides when Redis may be called again
+after a failure, and `_pack` / `_unpack_into` are the format of one replica's totals in a hash
+field.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gateway.latency.memory import MemoryLatencyStore
 from gateway.latency.samples import METRICS, Sample
 from gateway.latency.snapshot import Snapshot, Source, build_snapshot
 from gateway.latency.window import MODEL_TAG, RECENT_SLICES, Counts, Windows, tags_of
-from gateway.redis import RedisClient
+from gateway.redis import Breaker, RedisClient, Ticket
 from gateway.sketch import DEFAULT_ALPHA
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,9 @@ class RedisLatencyStore(MemoryLatencyStore):
     `record` only touches memory (the local window, which is also the fallback). `flush` writes
     the slices touched since the last flush in one pipeline; `refresh` reads the window back,
     re-reading only the two newest slices once older ones are closed, and uses this replica's own
-    totals fresh from memory. Any Redis failure opens a breaker: Redis is left alone until a
-    jittered, doubling backoff expires, and meanwhile `refresh` serves the local window
+    totals fresh from memory. A Redis failure opens a breaker (`gateway.redis.Breaker`): Redis is
+    left alone until a jittered, doubling backoff expires, then one call probes it; meanwhile
+    `refresh` serves the local window
     (`source="local-fallback"`). Touched slices stay marked until a flush succeeds; a slice that
     leaves the window before then is counted in `dropped_samples` (still counted locally).
 
@@ -89,14 +91,20 @@ class RedisLatencyStore(MemoryLatencyStore):
             slice_s=slice_s,
             timeout_s=timeout_s,
         )
-        self._breaker = _Breaker(
-            clock, backoff_min_s=backoff_min_s, backoff_max_s=backoff_max_s, rng=rng
+        self._breaker = Breaker(
+            "latency store",
+            fallback="using local statistics",
+            backoff_min_s=backoff_min_s,
+            backoff_max_s=backoff_max_s,
+            clock=clock,
+            rng=rng,
         )
         # (tag, slice) -> samples recorded there since its last successful flush
         self._dirty: dict[tuple[str, int], int] = {}
         self.flush_failures = 0
         self.refresh_failures = 0
         self.dropped_samples = 0
+        self.last_ok_at: float | None = None  # clock time of the latest successful Redis call
 
     # -- request path --
 
@@ -141,16 +149,14 @@ class RedisLatencyStore(MemoryLatencyStore):
         """The exception type of the latest Redis failure."""
         return self._breaker.last_error
 
-    @property
-    def last_ok_at(self) -> float | None:
-        """Clock time of the latest successful Redis call."""
-        return self._breaker.last_ok_at
-
     # -- background --
 
     async def flush(self) -> None:
         """Write this replica's totals of every touched slice in one pipeline."""
-        if not self._dirty or not self._breaker.may_call():
+        if not self._dirty:
+            return
+        ticket = self._breaker.ask()
+        if ticket is None:
             return
         now = self._clock()
         window = self._windows.window(now)
@@ -163,33 +169,45 @@ class RedisLatencyStore(MemoryLatencyStore):
                 continue
             writes.append((tag, index, _pack(counts)))
         if not writes:
+            self._breaker.abandoned(ticket)
             return
         try:
             await self._shared.write(writes, now)
         except Exception as exc:  # fail open: whatever went wrong, requests must not notice
             self.flush_failures += 1
-            self._breaker.failed(exc)
+            self._breaker.failed(ticket, exc)
             for tag, index, _ in writes:
                 place = (tag, index)
                 self._dirty[place] = self._dirty.get(place, 0) + dirty[place]
             await self._shared.forget_topology()
+        except BaseException:
+            self._breaker.abandoned(ticket)
+            raise
         else:
-            self._breaker.succeeded()
+            self._succeeded(ticket)
 
     async def refresh(self) -> Snapshot:
         """Swap in a snapshot of the shared window, or of the local one while Redis is failing."""
-        if self._breaker.may_call():
+        ticket = self._breaker.ask()
+        if ticket is not None:
             try:
                 self._snapshot = await self._read()
             except Exception as exc:  # fail open, as in flush
                 self.refresh_failures += 1
-                self._breaker.failed(exc)
+                self._breaker.failed(ticket, exc)
                 await self._shared.forget_topology()
+            except BaseException:
+                self._breaker.abandoned(ticket)
+                raise
             else:
-                self._breaker.succeeded()
+                self._succeeded(ticket)
                 return self._snapshot
         self._snapshot = self.local_snapshot("local-fallback")
         return self._snapshot
+
+    def _succeeded(self, ticket: Ticket) -> None:
+        self._breaker.succeeded(ticket)
+        self.last_ok_at = self._clock()
 
     async def _read(self) -> Snapshot:
         now = self._clock()
@@ -333,54 +351,6 @@ class _SharedSlices:
                     await self._redis.aclose()
             except Exception as exc:  # the next call tries again anyway
                 logger.debug("latency store: closing the cluster client failed (%r)", exc)
-
-
-class _Breaker:
-    """Whether Redis may be called now: after a failure it is left alone until a jittered,
-    doubling backoff expires; a success closes the breaker again."""
-
-    def __init__(
-        self,
-        clock: Callable[[], float],
-        *,
-        backoff_min_s: float,
-        backoff_max_s: float,
-        rng: random.Random | None,
-    ) -> None:
-        self._clock = clock
-        self._backoff_min_s = backoff_min_s
-        self._backoff_max_s = backoff_max_s
-        self._rng = rng or random.Random()
-        self._failures_in_row = 0
-        self._retry_at = -math.inf
-        self.last_error: str | None = None
-        self.last_ok_at: float | None = None
-
-    @property
-    def state(self) -> Literal["ok", "degraded"]:
-        return "ok" if self._failures_in_row == 0 else "degraded"
-
-    def may_call(self) -> bool:
-        return self._clock() >= self._retry_at
-
-    def retry_now(self) -> None:
-        """Let the next call through whatever the backoff says (the state is unchanged)."""
-        self._retry_at = -math.inf
-
-    def failed(self, exc: BaseException) -> None:
-        if self._failures_in_row == 0:
-            logger.warning("latency store: Redis failed (%r); using local statistics", exc)
-        self._failures_in_row += 1
-        self.last_error = type(exc).__name__
-        delay = min(self._backoff_max_s, self._backoff_min_s * 2 ** (self._failures_in_row - 1))
-        self._retry_at = self._clock() + delay * self._rng.uniform(0.8, 1.2)
-
-    def succeeded(self) -> None:
-        if self._failures_in_row:
-            logger.warning("latency store: Redis is back after %d failures", self._failures_in_row)
-        self._failures_in_row = 0
-        self._retry_at = -math.inf
-        self.last_ok_at = self._clock()
 
 
 def _pack(counts: Counts) -> bytes:

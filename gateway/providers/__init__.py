@@ -6,7 +6,7 @@ from contextlib import AsyncExitStack
 
 from gateway.config import Settings
 from gateway.models import Endpoint
-from gateway.providers.base import Provider
+from gateway.upstream import Provider
 
 
 async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str, Provider]:

@@ -1,4 +1,5 @@
-"""The provider seam: open an upstream call, read normalized chunks, close it.
+"""What the adapters share behind the provider seam (`gateway.upstream`: open an upstream call,
+read normalized chunks, close it).
 
 An adapter translates every foreign failure (transport errors, error statuses, error bodies) into
 the `ProviderError` family at the edge that sees it; an error status goes through the one table
@@ -13,12 +14,11 @@ the upstream's request id. Content is relayed as it came and never parsed for it
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.config import ProviderSpec
 from gateway.errors import ProviderError, upstream_error
-from gateway.models import Chunk, Endpoint, SSEEvent, UpstreamRequest, Wire
+from gateway.models import Chunk, SSEEvent, Wire
 from gateway.providers.decode import (
     AnthropicStreamDecoder,
     OpenAIStreamDecoder,
@@ -31,64 +31,19 @@ from gateway.providers.decode import (
 from gateway.providers.decode_responses import ResponsesStreamDecoder, decode_responses_body
 from gateway.scrubbing import Scrubber
 from gateway.sse import SSEFramingError, SSEParser
+from gateway.upstream import StreamLimits
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 MAX_ERROR_BYTES = 64 * 1024
 MAX_CODE_CHARS = 64  # an upstream error code longer than this is cut
 
 
-@dataclass(frozen=True, slots=True)
-class StreamLimits:
-    """What a provider's streams may send without content progress (its config's
-    `stream_idle_timeout_ms`, `max_precommit_events` and `max_precommit_bytes`)."""
-
-    idle_s: float  # no content token for this long: the stream is given up on
-    max_precommit_events: int  # events allowed before the first content token
-    max_precommit_bytes: int  # bytes of those events
-
-    @classmethod
-    def of(cls, spec: ProviderSpec) -> StreamLimits:
-        return cls(
-            spec.stream_idle_timeout_ms / 1000, spec.max_precommit_events, spec.max_precommit_bytes
-        )
-
-
-class UpstreamStream(Protocol):
-    """An open upstream response. Whoever opened it must `aclose()` it, on every path."""
-
-    status: int
-    streaming: bool  # an SSE stream (else one chunk holding the whole body)
-    upstream_request_id: str | None
-
-    async def read(self) -> list[Chunk] | None:
-        """The chunks of the next network read (possibly several events); None at the end.
-
-        Raises ProviderError (incl. ProviderTimeoutError) when the upstream fails or is garbled.
-        """
-        ...
-
-    async def aclose(self) -> None: ...
-
-
-class Provider(Protocol):
-    """One configured upstream (endpoint plus credentials). Borrows its client; owns nothing."""
-
-    name: str
-    wire: Wire
-    system: str  # gen_ai.provider.name
-    address: str | None  # server.address (None for in-process)
-    scrub: Scrubber  # its own secrets and the generic patterns: every upstream string passes it
-    bulk_priority: int | None  # vLLM request `priority` for bulk requests, if configured
-    limits: StreamLimits  # enforced by whoever reads its streams
-
-    def supports(self, endpoint: Endpoint) -> bool: ...
-
-    async def open(self, deployment: str, request: UpstreamRequest) -> UpstreamStream:
-        """Send the request and return once the response headers are in (status 2xx).
-
-        Raises a ProviderError subclass for every failure; nothing needs closing then.
-        """
-        ...
+def stream_limits(spec: ProviderSpec) -> StreamLimits:
+    """A provider's stream limits from its config (`stream_idle_timeout_ms`,
+    `max_precommit_events`, `max_precommit_bytes`)."""
+    return StreamLimits(
+        spec.stream_idle_timeout_ms / 1000, spec.max_precommit_events, spec.max_precommit_bytes
+    )
 
 
 class Decoder(Protocol):

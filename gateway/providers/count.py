@@ -28,7 +28,7 @@ from gateway.config import ProviderSpec
 from gateway.errors import ProviderError, ProviderTimeoutError, upstream_error
 from gateway.models import Wire
 from gateway.numbers import count
-from gateway.providers.base import MAX_ERROR_BYTES, Provider, status_error
+from gateway.providers.base import MAX_ERROR_BYTES, status_error
 from gateway.providers.http import HTTPProvider, translate_client_error
 from gateway.providers.simulated import SimulatedProvider
 from gateway.providers.translate import (
@@ -38,6 +38,7 @@ from gateway.providers.translate import (
 )
 from gateway.providers.translate.items import responses_request_to_chat
 from gateway.sim.wire import BadRequestError
+from gateway.upstream import Provider
 from gateway.validate import off_loop
 
 CHARS_PER_TOKEN: Final = 4

@@ -17,7 +17,7 @@ import aiohttp
 from gateway.config import ProviderSpec
 from gateway.errors import ProviderError, ProviderTimeoutError, inband_error
 from gateway.models import Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, StreamLimits, status_error
+from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, status_error, stream_limits
 from gateway.providers.decode import anthropic_error, openai_error
 from gateway.scrubbing import Scrubber
 
@@ -134,7 +134,7 @@ class HTTPProvider:
         self.system = _SYSTEMS[spec.type]
         self.address = urlsplit(spec.base_url).hostname
         self.bulk_priority = spec.bulk_priority
-        self.limits = StreamLimits.of(spec)
+        self.limits = stream_limits(spec)
         self.session = session
         base = spec.base_url.rstrip("/")
         paths = _ANTHROPIC_PATHS if self.wire == "anthropic" else _OPENAI_PATHS

@@ -11,7 +11,6 @@ import orjson
 
 from gateway.errors import InvalidRequestError
 from gateway.models import Call, Chunk, UpstreamRequest
-from gateway.providers.base import Provider
 from gateway.providers.translate import (
     AnthropicToOpenAIStream,
     OpenAIPassthrough,
@@ -36,6 +35,7 @@ from gateway.providers.translate.events import (
 from gateway.providers.translate.items import translate_responses_request
 from gateway.providers.translate.tools import UnsupportedTools
 from gateway.response_ids import new_response_id
+from gateway.upstream import Provider
 
 _STREAMED_WITH_USAGE = ("chat", "completions")
 _SENDABLE_DEPTH = 254  # orjson serialises no deeper

@@ -11,7 +11,7 @@ from typing import Final
 from gateway.config import ProviderSpec
 from gateway.errors import ProviderError
 from gateway.models import Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import ChunkStream, StreamLimits, status_error
+from gateway.providers.base import ChunkStream, status_error, stream_limits
 from gateway.scrubbing import Scrubber
 from gateway.sim.engine import SimEngine
 from gateway.sim.wire import SimConnectionReset
@@ -35,7 +35,7 @@ class SimulatedProvider:
     def __init__(self, name: str, spec: ProviderSpec) -> None:
         self.name = name
         self.engine = SimEngine(spec.profiles, spec.default_profile, seed=spec.seed)
-        self.limits = StreamLimits.of(spec)
+        self.limits = stream_limits(spec)
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in _PATHS

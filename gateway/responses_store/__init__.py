@@ -10,7 +10,8 @@ in Redis.
 A memory entry also in Redis is served once Redis confirms the key still holds it, so a
 response deleted through another replica is gone everywhere (while Redis fails, memory serves
 without asking). After a Redis failure a breaker leaves Redis alone for a jittered, doubling
-backoff (0.5 s to 10 s): reads that memory cannot answer raise `StoreUnavailableError` at once.
+backoff (0.5 s to 10 s), then lets one read probe it (`gateway.redis.Breaker`): reads that
+memory cannot answer meanwhile raise `StoreUnavailableError` at once.
 
 A response id made by the gateway says when (`gateway.response_ids`): one that Redis does not
 hold, made less than `RETRY_S` ago, may be a write still pending on another replica, so a read of

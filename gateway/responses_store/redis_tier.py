@@ -18,19 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import random
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.typing import EncodableT, FieldT
 
 from gateway.errors import StoreUnavailableError
-from gateway.redis import RedisClient
+from gateway.redis import Breaker, RedisClient
 
 log = logging.getLogger("tailguard")
 
@@ -41,7 +38,6 @@ _FIELDS = ("owner", "created_at", "response", "items", "ancestors", "gone")
 _BATCH_ENTRIES = 64  # responses per write pipeline
 _BATCH_BYTES = 4 * 1024 * 1024  # ... or this many bytes of them (at least one response)
 WRITE_TIMEOUT_FACTOR = 4  # a write pipeline carries megabytes: it gets longer than a read
-_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.5, 10.0  # the breaker's first and longest wait
 
 # Deletes only the owner's response, leaving a tombstone that outlives every response that
 # continues it (ARGV[2] seconds); ARGV[3] == "1": the caller holds it, not yet in Redis. One
@@ -94,40 +90,6 @@ def _write_size(write: Write) -> int:
     return size_of(write) if isinstance(write, StoredResponse) else 64
 
 
-class Breaker:
-    """Whether Redis may be called now: after a failure it is left alone until a jittered,
-    doubling backoff expires; a success closes the breaker again."""
-
-    def __init__(self) -> None:
-        self._failures_in_row = 0
-        self._retry_at = -math.inf
-        self.last_error: str | None = None
-
-    @property
-    def state(self) -> Literal["ok", "degraded"]:
-        return "ok" if self._failures_in_row == 0 else "degraded"
-
-    def wait_s(self) -> float:
-        """Seconds until Redis may be called again (0: now)."""
-        return max(0.0, self._retry_at - time.monotonic())
-
-    def failed(self, exc: BaseException) -> None:
-        if self._failures_in_row == 0:
-            log.warning(
-                "responses store: Redis failed (%s); serving from memory", type(exc).__name__
-            )
-        self._failures_in_row += 1
-        self.last_error = type(exc).__name__
-        delay = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * 2 ** (self._failures_in_row - 1))
-        self._retry_at = time.monotonic() + delay * random.uniform(0.8, 1.2)
-
-    def succeeded(self) -> None:
-        if self._failures_in_row:
-            log.warning("responses store: Redis is back after %d failures", self._failures_in_row)
-        self._failures_in_row = 0
-        self._retry_at = -math.inf
-
-
 class RedisTier:
     """Reads and deletes on one Redis client, which it owns, and its queue of writes."""
 
@@ -145,7 +107,7 @@ class RedisTier:
         self._delete_script = redis.register_script(_DELETE)
         self._ttl_s = ttl_s
         self._timeout_s = timeout_s
-        self.breaker = Breaker()
+        self.breaker = Breaker("responses store", fallback="serving from memory")
         self.errors = 0  # failed Redis calls
         self.queue = WriteQueue(self, ttl_s, timeout_s * WRITE_TIMEOUT_FACTOR, clock, pending)
         self.queue.on_written = written
@@ -208,18 +170,23 @@ class RedisTier:
         return bool(await self._call("delete", lambda: script(keys=keys, args=args)))
 
     async def _call(self, action: str, command: Callable[[], Awaitable[Any]]) -> Any:
-        """One command, bounded by `redis_timeout_ms`; not sent while the breaker is open."""
-        if self.breaker.wait_s() > 0:
+        """One command, bounded by `redis_timeout_ms`; not sent while the breaker is open, or
+        half-open with another call probing."""
+        ticket = self.breaker.ask()
+        if ticket is None:
             raise unavailable(action)
         try:
             async with asyncio.timeout(self._timeout_s):
                 result = await command()
         except Exception as exc:  # redis, socket and timeout errors alike: the store is down
             self.errors += 1
-            self.breaker.failed(exc)
+            self.breaker.failed(ticket, exc)
             await self.forget_topology()
             raise unavailable(action) from exc
-        self.breaker.succeeded()
+        except BaseException:
+            self.breaker.abandoned(ticket)
+            raise
+        self.breaker.succeeded(ticket)
         return result
 
     async def forget_topology(self) -> None:
@@ -354,6 +321,7 @@ class WriteQueue:
         self.batch_done.clear()
         now = self._clock()
         live = [w for w in batch if self._expiry(w) > now]
+        ticket = self._tier.breaker.force()  # sent after the breaker's wait, or by a flush
         try:
             if live:
                 async with (
@@ -369,13 +337,13 @@ class WriteQueue:
                     await pipe.execute()
         except Exception as exc:  # fail open: a write is tried again, never fails a request
             self._tier.errors += 1
-            self._tier.breaker.failed(exc)
+            self._tier.breaker.failed(ticket, exc)
             self._requeue(live, now)
             await self._tier.forget_topology()
             return False
         else:
             if live:
-                self._tier.breaker.succeeded()
+                self._tier.breaker.succeeded(ticket)
             self.writes += len(live)
             for write in live:
                 self._attempts.pop(write.id, None)

@@ -28,12 +28,12 @@ from gateway.errors import (
     inband_error,
 )
 from gateway.latency import HEDGE_LOST, TTFT_DEADLINE, Snapshot
-from gateway.providers.base import UpstreamStream
 from gateway.providers.request import Prepared
 from gateway.routing.deadline import explore_left, rescue_at, ttft_end
 from gateway.routing.guards import PROBE, PROBE_WAIT_S, Admission, Cooldowns, LastResort
 from gateway.routing.ledger import Ledger, Live, Opened, Tally
 from gateway.routing.plan import Candidate, Plan, Route
+from gateway.upstream import UpstreamStream
 
 log = logging.getLogger("tailguard")
 

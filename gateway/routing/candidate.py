@@ -14,7 +14,7 @@ from typing import Literal
 from gateway.config import DeploymentSpec
 from gateway.latency import MetricStats, TargetStats
 from gateway.prompt_size import band_of, fit_line
-from gateway.providers.base import Provider
+from gateway.upstream import Provider
 
 Level = Literal["p50", "p90", "p95", "p99"]
 

@@ -15,7 +15,6 @@ from typing import Protocol
 from gateway.config import ModelSpec
 from gateway.latency import LatencyStore
 from gateway.models import Call
-from gateway.providers.base import Provider
 from gateway.providers.vllm import ServerLoad, ServerState
 from gateway.routing.affinity import Affinity
 from gateway.routing.guards import Guards
@@ -32,6 +31,7 @@ from gateway.routing.plan import (
     with_exploration,
 )
 from gateway.routing.predict import TTFTPredictor, prompt_band
+from gateway.upstream import Provider
 
 
 class Routes(Protocol):

@@ -30,7 +30,6 @@ from gateway.latency import Snapshot
 from gateway.models import Call
 from gateway.prompt_size import band_of
 from gateway.providers import can_serve
-from gateway.providers.base import Provider
 
 # What a candidate is, and its TTFT for a prompt's size (re-exported: the planner's vocabulary).
 from gateway.routing.candidate import BAND_EVIDENCE as BAND_EVIDENCE
@@ -38,6 +37,7 @@ from gateway.routing.candidate import Candidate as Candidate
 from gateway.routing.candidate import Level as Level
 from gateway.routing.candidate import baseline_p50_ms as baseline_p50_ms
 from gateway.routing.candidate import ttft_for_size as ttft_for_size
+from gateway.upstream import Provider
 
 Route = Literal[
     "primary", "budget", "budget_unattainable", "ttft_failover", "hedge", "error_fallback"

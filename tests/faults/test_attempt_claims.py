@@ -29,10 +29,10 @@ from gateway.errors import (
 )
 from gateway.latency import MemoryLatencyStore, MemoryRecorder
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import StreamLimits, UpstreamStream
 from gateway.routing import Budget, Candidate, Ledger, Plan, open_first
 from gateway.routing.guards import Guards
 from gateway.scrubbing import Scrubber
+from gateway.upstream import StreamLimits, UpstreamStream
 from gateway.validate import parse_call
 from tests.conftest import run_gateway
 from tests.faults.conftest import chat, routed, settled
