@@ -9,6 +9,7 @@ runs `gateway/sim/__init__.py`). "Reaches" is the transitive closure of that gra
 from __future__ import annotations
 
 import ast
+import warnings
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -297,12 +298,26 @@ def test_each_library_has_its_owners(library: str) -> None:
     assert idle == set(), f"{library} owners that no longer import it"
 
 
+MODULE_GUIDE, MODULE_LIMIT = 600, 800  # lines: a guide (reported), and a limit (a failure)
+CLASS_GUIDE, CLASS_LIMIT = 250, 400
+
+
+@pytest.mark.filterwarnings("default::UserWarning")  # a report, not a failure
 @pytest.mark.parametrize("module", sorted(_sources()))
 def test_modules_and_classes_stay_small(module: str) -> None:
-    """No module over 600 lines and no class over 250: past that a room holds several jobs."""
+    """Sizes are guides: a module past ~600 lines or a class past ~250 is reported (a warning
+    in the test summary: a room that may hold several jobs), and only one past 800 or 400 fails.
+    Carving code out only to stay under a guide is worse than going over it."""
     source = _sources()[module].read_text()
-    assert source.count("\n") <= 600, f"{module}: {source.count(chr(10))} lines"
+    lines = source.count("\n")
+    assert lines <= MODULE_LIMIT, f"{module}: {lines} lines"
+    if lines > MODULE_GUIDE:
+        warnings.warn(f"{module}: {lines} lines (guide: {MODULE_GUIDE})", stacklevel=1)
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             length = (node.end_lineno or node.lineno) - node.lineno + 1
-            assert length <= 250, f"{module}.{node.name}: {length} lines"
+            assert length <= CLASS_LIMIT, f"{module}.{node.name}: {length} lines"
+            if length > CLASS_GUIDE:
+                warnings.warn(
+                    f"{module}.{node.name}: {length} lines (guide: {CLASS_GUIDE})", stacklevel=1
+                )

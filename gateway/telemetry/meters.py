@@ -41,7 +41,9 @@ GATEWAY_ERRORS: Final = frozenset(
         *("upstream_timeout", "not_found", "method_not_allowed", "http_error", "internal_error"),
         *("duplicate_key", "invalid_http_request", "json_too_deep"),
         *("store_unavailable", "previous_response_not_found", "response_not_found"),
-        *("unsupported_parameter", "invalid"),
+        *("unsupported_parameter", "invalid", "array_above_max_length"),
+        *("conversation_not_found", "conversation_too_large", "conversations_disabled"),
+        *("item_not_found", "mutually_exclusive_parameters"),
         # error types, for an error without a code
         *("server_error", "invalid_request_error", "rate_limit_error", "requests", "tokens"),
         # how a request ended without an error response
