@@ -24,7 +24,7 @@ import pytest
 
 from gateway.config import Settings
 from tests.conftest import Gateway, free_port, gateway_settings, run_gateway, serve
-from tests.fakes.agent_upstream import FINAL_TEXT, AgentFake
+from tests.fakes.agent_upstream import FINAL_TEXT, AgentUpstream
 from tests.timing import scaled
 
 pytestmark = pytest.mark.timeout(240)
@@ -136,10 +136,10 @@ async def claude() -> Path:
 
 
 @pytest.fixture(params=[False, True], ids=["direct", "sub-agent"])
-async def fake(request: pytest.FixtureRequest) -> AsyncIterator[tuple[AgentFake, str]]:
+async def fake(request: pytest.FixtureRequest) -> AsyncIterator[tuple[AgentUpstream, str]]:
     """The scripted model: it runs the shell tool itself, or hands the task to a sub-agent
     (Claude Code's `Agent` tool: a conversation of its own, with its own system prompt)."""
-    agent = AgentFake(COMMAND, delegate=request.param)
+    agent = AgentUpstream(COMMAND, delegate=request.param)
     async with serve(agent) as url:
         yield agent, url
 
@@ -171,7 +171,7 @@ async def run_claude(claude: Path, gateway: Gateway, tmp_path: Path, *, base_url
 
 
 async def test_claude_code_on_a_native_deployment(
-    claude: Path, fake: tuple[AgentFake, str], tmp_path: Path
+    claude: Path, fake: tuple[AgentUpstream, str], tmp_path: Path
 ) -> None:
     """Through an Anthropic deployment, Claude Code's Bash tool runs the scripted command and
     the run completes with the model's final answer."""
@@ -185,7 +185,7 @@ async def test_claude_code_on_a_native_deployment(
 
 
 async def test_claude_code_on_a_translated_deployment(
-    claude: Path, fake: tuple[AgentFake, str], tmp_path: Path
+    claude: Path, fake: tuple[AgentUpstream, str], tmp_path: Path
 ) -> None:
     """Through an OpenAI-compatible deployment, Claude Code's conversation (its system prompt,
     tools, thinking, cache markers and metadata) translates, its Bash tool runs the scripted

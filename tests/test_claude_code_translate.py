@@ -15,7 +15,7 @@ import pytest
 
 from gateway.providers.translate import TranslationError, messages_request_to_openai
 from tests.conftest import gateway_settings, run_gateway, serve
-from tests.fakes.agent_upstream import AgentFake
+from tests.fakes.agent_upstream import AgentUpstream
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -119,15 +119,15 @@ def test_cache_markers_become_a_prompt_cache_key_only_when_asked() -> None:
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[tuple[AgentFake, str]]:
-    fake = AgentFake("true")
+async def upstream() -> AsyncIterator[tuple[AgentUpstream, str]]:
+    fake = AgentUpstream("true")
     async with serve(fake) as url:
         yield fake, url
 
 
 @pytest.mark.parametrize("provider_type", ["openai", "vllm"])
 async def test_claude_code_request_reaches_a_chat_deployment(
-    upstream: tuple[AgentFake, str], provider_type: str
+    upstream: tuple[AgentUpstream, str], provider_type: str
 ) -> None:
     """Through the gateway, Claude Code's request reaches a chat upstream in chat's terms: the
     sub-agent's system message in place, `reasoning_effort`, a hashed `safety_identifier`, a
@@ -169,7 +169,7 @@ async def test_claude_code_request_reaches_a_chat_deployment(
 
 
 async def test_claude_code_request_reaches_a_native_deployment_as_sent(
-    upstream: tuple[AgentFake, str],
+    upstream: tuple[AgentUpstream, str],
 ) -> None:
     """A native Anthropic deployment gets the system message, thinking, context management,
     cache markers, metadata and betas as Claude Code sent them."""

@@ -1,7 +1,7 @@
 """OpenAI's Codex CLI, the real program (pinned: `CODEX_VERSION`), runs a task through the gateway
 with `codex exec`, on a deployment that serves the Responses API natively, on one translated to
 chat completions and on one translated to Anthropic's Messages: the scripted upstream
-(tests/fakes/codex_upstream.py) has it run a shell command, then answers once it sees the
+(tests/fakes/agent_upstream.py) has it run a shell command, then answers once it sees the
 command's output. The command's file appearing in the agent's working directory, and Codex
 ending with the final answer, are the proof that the loop went round.
 
@@ -26,7 +26,7 @@ import orjson
 import pytest
 
 from tests.conftest import Gateway, gateway_settings, run_gateway, serve
-from tests.fakes.codex_upstream import COMMAND, FINAL_TEXT, PROOF_FILE, AgentUpstream
+from tests.fakes.agent_upstream import COMMAND, FINAL_TEXT, PROOF_FILE, AgentUpstream
 from tests.timing import scaled
 
 pytestmark = pytest.mark.timeout(240)

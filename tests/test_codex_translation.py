@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from tests.conftest import Gateway, gateway_settings, run_gateway, serve
-from tests.fakes.codex_upstream import FINAL_TEXT, AgentUpstream
+from tests.fakes.agent_upstream import FINAL_TEXT, AgentUpstream
 from tests.test_access_log import ACCESS, counted, lines
 
 _STRING: Final = {"type": "string"}

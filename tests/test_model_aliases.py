@@ -16,7 +16,7 @@ import pytest
 from gateway import semconv as sc
 from gateway.config import ConfigError, ModelNames, build_settings, load_settings
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
-from tests.fakes.agent_upstream import AgentFake
+from tests.fakes.agent_upstream import AgentUpstream
 from tests.test_metrics import scrape_when
 
 pytestmark = pytest.mark.timeout(30)
@@ -186,15 +186,15 @@ async def test_an_alias_routes_on_every_endpoint(
 
 
 @pytest.fixture
-async def anthropic_upstream() -> AsyncIterator[tuple[AgentFake, str]]:
-    fake = AgentFake("true")
+async def anthropic_upstream() -> AsyncIterator[tuple[AgentUpstream, str]]:
+    fake = AgentUpstream("true")
     async with serve(fake) as url:
         yield fake, url
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_native_answer_names_the_model_asked_for(
-    anthropic_upstream: tuple[AgentFake, str], stream: bool
+    anthropic_upstream: tuple[AgentUpstream, str], stream: bool
 ) -> None:
     """On a native Anthropic deployment the answer is forwarded as-is but for its `model`,
     which becomes the name asked for; the upstream is sent the deployment's model."""
