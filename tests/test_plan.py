@@ -222,6 +222,9 @@ def test_a_lead_without_a_tail_to_rescue_is_not_hedged() -> None:
     slower = cand("slower", metric(900.0, p95=700.0, p90=600.0))
     assert rescue_point(1.0, fast, slower, hedge=True) is None
     assert fits(fast, slower, budget, call()) is True
+    # The same with too few samples to trust (a fallback that leads only long prompts).
+    few = cand("fast", MetricStats(200.0, 250.0, 300.0, 400.0, 8, False))
+    assert rescue_point(1.0, few, slower, hedge=True) is None
 
 
 def test_of_two_rescuers_started_at_the_same_point_the_faster_rescues() -> None:

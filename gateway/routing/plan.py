@@ -286,7 +286,9 @@ def hedge_point(
             return None
         need = median * SUCCESSOR_MARGIN
     at = remaining_s - need
-    soon, p99 = candidate.ttft_quantile_s(early), candidate.ttft_p99_s
+    # A lead that serves little (a fallback leading long prompts) is judged by what it showed.
+    soon = candidate.ttft_quantile_s(early) or candidate.ttft_seen_s(early)
+    p99 = candidate.ttft_p99_s or candidate.ttft_seen_s("p99")
     if soon is not None and p99 is not None and p99 + need > remaining_s:
         if soon < at:
             # Early enough for the successor's tail to land as well, but no earlier: a hedge
