@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import socket
 import subprocess
@@ -184,3 +185,17 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.kill()
+
+
+ACCESS = "tailguard.access"
+
+
+@pytest.fixture
+def access(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """caplog, capturing `tailguard.access` at INFO (even after `configure_logging` stopped it
+    propagating to the root logger in this process)."""
+    logger = logging.getLogger(ACCESS)
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setattr(logger, "disabled", logger.disabled)  # restored: apps set it
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    yield caplog

@@ -7,8 +7,7 @@ the lines.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -16,23 +15,11 @@ import orjson
 import pytest
 
 from gateway import semconv as sc
-from tests.conftest import Upstream, gateway_settings, one_model, run_gateway
+from tests.conftest import ACCESS, Upstream, gateway_settings, one_model, run_gateway
 from tests.test_metrics import scrape_when
 
-ACCESS = "tailguard.access"
 PROMPT = "Tell me a SECRET-PROMPT story."
 CHAT = {"messages": [{"role": "user", "content": PROMPT}]}
-
-
-@pytest.fixture
-def access(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """caplog, capturing `tailguard.access` at INFO (even after `configure_logging` stopped it
-    propagating to the root logger in this process)."""
-    logger = logging.getLogger(ACCESS)
-    monkeypatch.setattr(logger, "propagate", True)
-    monkeypatch.setattr(logger, "disabled", logger.disabled)  # restored: apps set it
-    caplog.set_level(logging.INFO, logger=ACCESS)
-    yield caplog
 
 
 @pytest.fixture

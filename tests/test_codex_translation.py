@@ -10,8 +10,7 @@ Codex declares `apply_patch` for some models) and one held to a grammar complete
 from __future__ import annotations
 
 import copy
-import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import httpx
@@ -20,7 +19,7 @@ import pytest
 
 from tests.conftest import Gateway, gateway_settings, run_gateway, serve
 from tests.fakes.agent_upstream import FINAL_TEXT, AgentUpstream
-from tests.test_access_log import ACCESS, counted, lines
+from tests.test_access_log import counted, lines
 
 _STRING: Final = {"type": "string"}
 CODEX_REQUEST: Final[dict[str, Any]] = {
@@ -337,15 +336,6 @@ async def test_items_only_openai_can_read_are_refused_with_the_reason(
 
 
 # --- the access log -------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def access(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    logger = logging.getLogger(ACCESS)
-    monkeypatch.setattr(logger, "propagate", True)
-    monkeypatch.setattr(logger, "disabled", logger.disabled)
-    caplog.set_level(logging.INFO, logger=ACCESS)
-    yield caplog
 
 
 async def test_the_access_log_names_the_dropped_tools(

@@ -4,8 +4,7 @@ answer's `model` as the upstream has it or as the client asked, on every endpoin
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,12 @@ import pytest
 
 from gateway import semconv as sc
 from gateway.config import ConfigError, ModelNames, build_settings, load_settings
-from tests.conftest import Upstream, gateway_settings, run_gateway, serve
+from tests.conftest import ACCESS, Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.agent_upstream import AgentUpstream
 from tests.test_metrics import scrape_when
 
 pytestmark = pytest.mark.timeout(30)
 
-ACCESS = "tailguard.access"
 HELLO = [{"role": "user", "content": "Say hello."}]
 
 
@@ -100,15 +98,6 @@ def test_bad_aliases_are_config_errors_naming_the_key(
     with pytest.raises(ConfigError) as caught:
         load_settings(write(tmp_path, models_yaml), environ={})
     assert expected in str(caught.value)
-
-
-@pytest.fixture
-def access(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    logger = logging.getLogger(ACCESS)
-    monkeypatch.setattr(logger, "propagate", True)
-    monkeypatch.setattr(logger, "disabled", logger.disabled)
-    caplog.set_level(logging.INFO, logger=ACCESS)
-    yield caplog
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:

@@ -10,8 +10,7 @@ part of the prompt. The clients are the official SDKs, or httpx for exact bodies
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from gateway.providers.decode import (
 )
 from gateway.scrubbing import Scrubber
 from gateway.sse import SSEParser
-from tests.conftest import gateway_settings, run_gateway, serve
+from tests.conftest import ACCESS, gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake, count_words
 from tests.fakes.asgi import lifespan, read_body
 from tests.fakes.otlp_receiver import OTLPReceiver
@@ -257,20 +256,6 @@ async def clients(url: str) -> AsyncIterator[Clients]:
 async def gateway(upstreams: Upstreams) -> AsyncIterator[Clients]:
     async with run_gateway(upstreams.settings) as gw, clients(gw.url) as c:
         yield c
-
-
-ACCESS = "tailguard.access"
-
-
-@pytest.fixture
-def access(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """caplog, capturing the access lines (even after a serving process stopped their logger
-    propagating)."""
-    logger = logging.getLogger(ACCESS)
-    monkeypatch.setattr(logger, "propagate", True)
-    monkeypatch.setattr(logger, "disabled", logger.disabled)
-    caplog.set_level(logging.INFO, logger=ACCESS)
-    yield caplog
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> dict[str, dict[str, Any]]:

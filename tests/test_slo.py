@@ -22,7 +22,7 @@ from gateway.api import create_app
 from gateway.latency import BYTES_PER_TOKEN, MemoryRecorder
 from gateway.openapi import build_openapi
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
-from tests.test_access_log import access, lines
+from tests.test_access_log import lines
 from tests.test_dashboard import CHROMIUM, WAIT_MS, Watched, chromium
 from tests.test_latency_e2e import poll_latency, tailguard
 from tests.test_metrics import scrape, scrape_when
@@ -30,7 +30,7 @@ from tests.test_routing_e2e import fallback, primary, routed
 from tests.test_tracing import Collector, collector
 from tests.timing import scaled
 
-__all__ = ["access", "collector", "fallback", "primary"]  # fixtures, used by name
+__all__ = ["collector", "fallback", "primary"]  # fixtures, used by name
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 SLO_REQUESTS = sc.SLO_REQUESTS + "_total"

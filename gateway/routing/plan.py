@@ -265,10 +265,13 @@ def hedge_point(
     early: Level = "p95",
 ) -> float | None:
     """When to start a hedge. A hedge wins on the successor's typical TTFT (its p90), not its
-    tail, so it starts once what remains is just that (padded); earlier, at the candidate's own
-    `early` quantile (p90 when the cap allows 20% of requests, else p95), when the
-    budget is tight (its p99 plus the successor would not fit). An unknown successor is
-    explored at `explore_point`; None when no hedge could land in time."""
+    tail, so it starts once what remains is just that (padded). When the budget is tight (the
+    candidate's p99 plus the successor would not fit) it starts earlier, as early as the
+    successor's p99 needs to land and never before the candidate's own `early` quantile (p90
+    when the cap allows 20% of requests, else p95). None when no hedge could land in time, when
+    even the candidate's p99 comes before the hedge would land (nothing to rescue), or when the
+    latest point falls before the candidate's own p90 (a guess, not a rescue). An unknown
+    successor is explored at `explore_point`."""
     if successor is None:
         return None
     typical = _typical_s(successor)

@@ -131,7 +131,9 @@ class _Level:
 
     ttfts: list[tuple[float, float]]  # (clock time, TTFT seconds)
     next: int = 0
-    observed_at: float = 0.0
+    observed_at: float = 0.0  # the newest TTFT's time
+    oldest_at: float = 0.0  # the oldest kept TTFT's time
+    whole: float = 0.0  # the median of every kept TTFT
 
     def add(self, ttft_s: float, now: float) -> None:
         if len(self.ttfts) < LEVEL_KEEP:
@@ -140,9 +142,17 @@ class _Level:
             self.ttfts[self.next] = (now, ttft_s)
             self.next = (self.next + 1) % LEVEL_KEEP
         self.observed_at = now
+        self.oldest_at = min(at for at, _ in self.ttfts)
+        self.whole = sorted(ttft for _, ttft in self.ttfts)[len(self.ttfts) // 2]
 
     def median(self, since: float) -> float | None:
-        """The median of the TTFTs seen since `since`; None with fewer than `LEVEL_EVIDENCE`."""
+        """The median of the TTFTs seen since `since`; None with fewer than `LEVEL_EVIDENCE`.
+        Called for every level on every first token: the kept median serves while all of them
+        are fresh, and a level with none fresh is passed over at once."""
+        if self.observed_at < since:
+            return None
+        if self.oldest_at >= since:
+            return self.whole if len(self.ttfts) >= LEVEL_EVIDENCE else None
         fresh = sorted(ttft for at, ttft in self.ttfts if at >= since)
         return fresh[len(fresh) // 2] if len(fresh) >= LEVEL_EVIDENCE else None
 
