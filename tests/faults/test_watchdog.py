@@ -8,10 +8,12 @@ test's loop (and its autouse watchdog) stays idle while the scenario blocks.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +52,40 @@ def stopped_loop() -> list[Stall]:
     finally:
         loop.close()
     return detector.stalls
+
+
+async def collected_elsewhere() -> tuple[list[Stall], float]:
+    """A turn of the loop held up while another thread collects a large heap (a collection
+    holds the GIL); the collection's length."""
+    heap = [[i] for i in range(2_000_000)]  # tracked objects: a long full collection
+    go, done = threading.Event(), threading.Event()
+    took = [0.0]
+
+    def collect() -> None:
+        go.wait()
+        started = time.perf_counter()
+        gc.collect()
+        took[0] = time.perf_counter() - started
+        done.set()
+
+    worker = threading.Thread(target=collect)
+    worker.start()
+    async with StallDetector() as detector:
+        await asyncio.sleep(0)
+        go.set()
+        while not done.is_set():  # one turn of Python work, the GIL taken from it meanwhile
+            time.sleep(0)  # noqa: ASYNC251 - yields the GIL, never the loop
+    worker.join()
+    del heap
+    return detector.stalls, took[0]
+
+
+async def test_another_threads_collection_is_not_a_stall() -> None:
+    """A garbage collection in another thread holds the GIL, so the loop waits it out: like the
+    loop's own collections, it is the interpreter's cost, not the code's."""
+    stalls, took = await asyncio.to_thread(asyncio.run, collected_elsewhere())
+    assert took > 0.05, f"the collection took {took * 1000:.0f} ms: not long enough to judge"
+    assert stalls == [], [str(s) for s in stalls]
 
 
 async def test_a_blocked_loop_is_caught_with_its_stack() -> None:
