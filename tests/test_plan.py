@@ -870,3 +870,48 @@ def test_one_stall_among_a_few_samples_of_a_size_is_not_its_typical_case() -> No
     slow = MetricStats(2500.0, 3000.0, 3000.0, 3000.0, 6, False)
     all_slow = replace(stats(whole), bands={band_of(size): BandStats(slow, size)})
     assert ttft_for_size(all_slow, size, "p90") == pytest.approx(4000.0)
+
+
+def test_a_long_prompt_is_not_hedged_before_it_typically_answers() -> None:
+    """A primary trusted on short prompts (median 200 ms, p90 300 ms) has answered three long
+    ones in about 700 ms: too few to trust, enough to say a hedge at 780 ms (the fast fallback's
+    p90 of 200 ms, padded, before a 1 s budget) would start on most such prompts while they are
+    prefilling, and lose. It is not hedged then; a short prompt still is, at the same point."""
+    short, long = 1_000, 40_000
+    short_band = MetricStats(200.0, 300.0, 320.0, 3000.0, 200, True)
+    long_band = MetricStats(700.0, 720.0, 720.0, 720.0, 3, False)
+    window = replace(
+        stats(short_band),
+        bands={
+            band_of(short): BandStats(short_band, short),
+            band_of(long): BandStats(long_band, long),
+        },
+    )
+    spec = DeploymentSpec(provider="p", model="a")
+    fallback = Candidate(
+        "f", DeploymentSpec(provider="p", model="b"), StubProvider(), stats(metric(200.0))
+    )
+
+    def lead(size: int) -> Candidate:
+        return Candidate("m", spec, StubProvider(), window, prompt_bytes=size)
+
+    assert lead(long).ttft_seen_for_size_s("p90") == pytest.approx(0.7 * 1.5)
+    assert hedge_point(1.0, lead(long), fallback) is None
+    assert hedge_point(1.0, lead(short), fallback) == pytest.approx(1.0 - 0.22)
+    # A size between the two bands is read off the line through their medians.
+    middle = lead((short + long) // 2).ttft_seen_for_size_s("p50")
+    assert middle == pytest.approx((0.2 + 0.7) / 2, rel=0.01)
+
+
+def test_an_unmeasured_successor_is_explored_with_a_short_prompt_only() -> None:
+    """Exploring an unmeasured successor throws one prefill away: a long prompt is not used for
+    it (a short one measures the successor as well)."""
+    lead = cand("a", metric(1900.0))
+    unknown = replace(cand("b"), prompt_bytes=1_000)
+    assert hedge_point(2.0, replace(lead, prompt_bytes=1_000), unknown) == pytest.approx(1.0)
+    long_lead, long_unknown = (
+        replace(lead, prompt_bytes=40_000),
+        replace(unknown, prompt_bytes=40_000),
+    )
+    assert hedge_point(2.0, long_lead, long_unknown) is None
+    assert explore_point(2.0, long_unknown) is None

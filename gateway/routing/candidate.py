@@ -20,6 +20,8 @@ Level = Literal["p50", "p90", "p95", "p99"]
 
 BAND_EVIDENCE = 5
 """Observations of a prompt-size band that count as evidence it is slower than the rest."""
+SEEN_EVIDENCE = 2
+"""Observations of a prompt-size band whose median is taken as a hint of that size's TTFT."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,35 @@ class Candidate:
             return None
         value: float | None = getattr(stats.ttft, level)
         return None if value is None else value / 1000.0
+
+    def ttft_seen_for_size_s(self, level: Level) -> float | None:
+        """What even a few samples say of this prompt size's TTFT quantile: the median of its
+        band (`SEEN_EVIDENCE` samples), else read off a line through the medians of the bands
+        seen, scaled by the spread (`level` over median) of the deployment's TTFTs for one size
+        (its most-observed trusted band, else the whole window). A hint for when a rescue would
+        start too early to be one, never a budget's verdict."""
+        stats, size = self.stats, self.prompt_bytes
+        if stats is None or size is None or not stats.bands:
+            return None
+        own = stats.bands.get(band_of(size))
+        median: float | None = None
+        if own is not None and own.ttft.count >= SEEN_EVIDENCE:
+            median = own.ttft.p50
+        if median is None:
+            line = fit_line(
+                [
+                    (band.mean_bytes, band.ttft.p50)
+                    for band in stats.bands.values()
+                    if band.ttft.count >= SEEN_EVIDENCE
+                    and band.ttft.p50 is not None
+                    and not math.isinf(band.ttft.p50)
+                ]
+            )
+            median = None if line is None else line[0] + line[1] * size
+        spread = _spread(stats, level)
+        if median is None or spread is None or math.isinf(median):
+            return None
+        return median * spread / 1000.0
 
     def predicted_total_s(
         self, max_tokens: int | None, *, ttft_at_most_s: float | None = None
@@ -161,6 +192,17 @@ def baseline_p50_ms(stats: TargetStats, prompt_bytes: int) -> float | None:
         return own.ttft.p50
     sized = ttft_for_size(stats, prompt_bytes, "p50") if stats.bands else None
     return sized if sized is not None else stats.ttft.p50
+
+
+def _spread(stats: TargetStats, level: Level) -> float | None:
+    """How far `level` lies above the median for prompts of one size: from the trusted band with
+    the most samples (the whole window's figure mixes sizes, so it overstates the spread)."""
+    trusted = [band.ttft for band in stats.bands.values() if band.ttft.trusted]
+    metric = max(trusted, key=lambda m: m.count) if trusted else stats.ttft
+    value: float | None = getattr(metric, level)
+    if value is None or metric.p50 is None or metric.p50 <= 0 or math.isinf(value):
+        return None
+    return max(1.0, value / metric.p50)
 
 
 def _trusted(stats: MetricStats | None, level: Level, prior_s: float | None) -> float | None:

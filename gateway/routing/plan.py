@@ -241,8 +241,11 @@ def deadline(remaining_s: float, successor: Candidate | None) -> float | None:
 
 def explore_point(remaining_s: float, successor: Candidate | None) -> float | None:
     """When to start a successor nobody has measured yet, as a hedge (the attempt keeps
-    running, so exploring costs the client nothing): once this share of the budget is gone."""
+    running, so exploring costs the client nothing): once this share of the budget is gone.
+    Only with a short prompt (`EXPLORE_MAX_BYTES`): the loser's prefill is thrown away."""
     if successor is None or _typical_s(successor) is not None:
+        return None
+    if successor.prompt_bytes is not None and successor.prompt_bytes > EXPLORE_MAX_BYTES:
         return None
     return remaining_s * UNKNOWN_SHARE
 
@@ -291,6 +294,9 @@ def hedge_point(
     at = remaining_s - need
     # A lead that serves little (a fallback leading long prompts) is judged by what it showed.
     soon = candidate.ttft_quantile_s(early) or candidate.ttft_seen_s(early)
+    sized = candidate.ttft_seen_for_size_s(early)
+    if soon is not None and sized is not None:
+        soon = max(soon, sized)  # a few long prompts say the deployment-wide figure is short
     p99 = candidate.ttft_p99_s or candidate.ttft_seen_s("p99")
     if soon is not None and p99 is not None and p99 + need > remaining_s:
         if soon < at:
@@ -309,6 +315,9 @@ def hedge_point(
             # token is near the last point a rescue could start): a guess that mostly loses,
             # its prefill thrown away, not a rescue.
             return None
+    floor = candidate.ttft_seen_for_size_s(HEDGE_LEVEL)
+    if floor is not None and at < floor:
+        return None  # the same guess, seen in a few prompts of this size before it is trusted
     return at
 
 
