@@ -321,3 +321,17 @@ def test_modules_and_classes_stay_small(module: str) -> None:
                 warnings.warn(
                     f"{module}.{node.name}: {length} lines (guide: {CLASS_GUIDE})", stacklevel=1
                 )
+
+
+def test_the_relay_writes_what_routing_hands_it() -> None:
+    """The per-event work of a committed answer (tally, budgets, idle watch, the store write)
+    is routing's `Committed`: `api/relay.py` imports nothing of routing but that, and nothing
+    of batching or the stored responses."""
+    found = sorted(
+        name
+        for name in imported_names("gateway.api.relay")
+        if (_in(name, "gateway.routing") and not _in(name, "gateway.routing.committed"))
+        or _in(name, "gateway.batching")
+        or _in(name, "gateway.responses_store")
+    )
+    assert found == []

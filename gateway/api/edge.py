@@ -3,7 +3,7 @@ from here directly (`serve_llm`), outside the framework.
 
 An LLM request goes: `serve_llm` → `admit.authenticate` and the admission cap → `admit.admit`
 (body, key caps, stored conversation, rate-limit charge) → `admit.model_of` and
-`admit.resolve` (headers, budget, `routing.decide`) → `relay.Proxy` (the race, the response) →
+`admit.resolve` (headers, budget, `routing.decide`) → `proxy.Proxy` (the race, the response) →
 `outcome.record`. A refusal on the way is answered by `render.send_error` and recorded by
 `outcome.record` too.
 """
@@ -27,7 +27,7 @@ from gateway.api.admit import (
     resolve,
 )
 from gateway.api.outcome import RequestOutcome, record
-from gateway.api.relay import Proxy
+from gateway.api.proxy import Proxy
 from gateway.api.render import send_error, wire_of
 from gateway.auth import Principal
 from gateway.errors import GatewayError
