@@ -407,34 +407,63 @@ async def test_chat_only_upstream_gets_an_estimate_flagged_as_one(upstream: Upst
 # --- refusals ------------------------------------------------------------------------------------
 
 
-async def test_a_model_outside_the_keys_scope_is_a_404(fake: tuple[AnthropicFake, str]) -> None:
-    """A key counts only on its own models: another configured model is as unknown to it as
-    one that is not (404 `model_not_found`, in each wire); the Anthropic route takes the key
-    in `x-api-key`, as Anthropic's SDK sends it."""
+async def test_a_model_outside_the_keys_scope_is_refused_as_chat_refuses_it(
+    fake: tuple[AnthropicFake, str],
+) -> None:
+    """A key counts only on its own models, refused exactly as its chat would be: another
+    configured model is a 403 `model_not_allowed`, one configured nowhere a 404 listing the
+    key's models only, in each wire; the Anthropic route takes the key in `x-api-key`, as
+    Anthropic's SDK sends it."""
     _, url = fake
     keys = {"keys": [{"name": "team-a", "sha256": CLIENT_HASH, "models": ["c"]}]}
     models = [model("c", "claude/claude-x"), model("secret", "claude/claude-x")]
     async with open_gateway({"claude": anthropic_provider(url)}, models, auth=keys) as c:
         allowed = await c.anthropic.messages.count_tokens(model="c", messages=MESSAGES)
-        with pytest.raises(anthropic.NotFoundError) as hidden:
+        with pytest.raises(anthropic.PermissionDeniedError) as counted:
             await c.anthropic.messages.count_tokens(model="secret", messages=MESSAGES)
-        with pytest.raises(openai.NotFoundError) as hidden_openai:
+        with pytest.raises(anthropic.PermissionDeniedError) as chat:
+            await c.anthropic.messages.create(model="secret", messages=MESSAGES, max_tokens=5)
+        with pytest.raises(openai.PermissionDeniedError) as counted_openai:
             await c.openai.responses.input_tokens.count(model="secret", input="hi")
+        with pytest.raises(openai.PermissionDeniedError) as chat_openai:
+            await c.openai.responses.create(model="secret", input="hi")
+        with pytest.raises(anthropic.NotFoundError) as unknown:
+            await c.anthropic.messages.count_tokens(model="nowhere", messages=MESSAGES)
         with pytest.raises(anthropic.AuthenticationError):
             await c.anthropic.messages.count_tokens(
                 model="c", messages=MESSAGES, extra_headers={"x-api-key": "sk-wrong"}
             )
     assert allowed.input_tokens == count_words({"messages": MESSAGES})
-    assert hidden.value.body == {
-        "type": "error",
-        "error": {
-            "type": "not_found_error",
-            "message": "The model 'secret' does not exist. Available models: c.",
-        },
-        "request_id": hidden.value.response.headers["x-request-id"],
+    assert counted.value.body == {
+        **chat.value.body,
+        "request_id": counted.value.response.headers["x-request-id"],
     }
-    assert hidden_openai.value.code == "model_not_found"
-    assert hidden_openai.value.param == "model"
+    assert counted.value.body["error"]["type"] == "permission_error"
+    assert (
+        (counted_openai.value.code, counted_openai.value.param)
+        == (
+            chat_openai.value.code,
+            chat_openai.value.param,
+        )
+        == ("model_not_allowed", "model")
+    )
+    assert unknown.value.body["error"]["message"] == (
+        "The model 'nowhere' does not exist. Available models: c."
+    )
+
+
+async def test_a_count_carries_the_callers_trace(fake: tuple[AnthropicFake, str]) -> None:
+    """A count's upstream request carries the caller's `traceparent`, as a chat's does."""
+    upstream, url = fake
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    async with open_gateway(
+        {"claude": anthropic_provider(url)}, [model("c", "claude/claude-x")]
+    ) as c:
+        await c.anthropic.messages.count_tokens(
+            model="c", messages=MESSAGES, extra_headers={"traceparent": traceparent}
+        )
+    (received,) = upstream.requests
+    assert received.headers["traceparent"] == traceparent
 
 
 @pytest.mark.parametrize(

@@ -174,21 +174,27 @@ def resolve(
     return decide(services, call, spec, budget, headers=headers.forward, batchers=batchers)
 
 
+def check_model(principal: Principal | None, model: str, names: ModelNames) -> None:
+    """Whether the key may use `model` (an alias counts as the model it names): raises
+    PermissionDeniedError when it may not. A model unknown to everyone passes: the lookup's 404
+    says so, without listing other keys' models."""
+    allowed = principal.models if principal is not None else None
+    if principal is None or allowed is None or model in allowed:
+        return
+    spec = names.lookup(model)
+    if spec is not None and spec.name not in allowed:
+        raise PermissionDeniedError(
+            f"The key '{principal.name}' may not use the model '{model}'.",
+            param="model",
+            code="model_not_allowed",
+        )
+
+
 def _check_key(principal: Principal, call: Call, names: ModelNames) -> Call:
     """What a key may ask for: its models (an alias counts as the model it names), and its caps
     on `n` and `max_tokens`. Returns the call as admitted: with the key's cap as its max_tokens
     when it sets none."""
-    allowed = principal.models
-    if allowed is not None and call.model not in allowed:
-        spec = names.lookup(call.model)
-        if spec is None:
-            return call  # unknown to everyone: the 404 says so, without listing others' models
-        if spec.name not in allowed:
-            raise PermissionDeniedError(
-                f"The key '{principal.name}' may not use the model '{call.model}'.",
-                param="model",
-                code="model_not_allowed",
-            )
+    check_model(principal, call.model, names)
     if principal.max_n is not None:
         # `best_of` (completions) generates that many on the server, returned or not.
         for param in ("n", "best_of"):

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Scope
 
-from gateway.api.admit import ClientGoneError, read_body, visible_models
+from gateway.api.admit import ClientGoneError, check_model, read_body, read_headers, visible_models
 from gateway.api.conversation import continue_conversation, owner_of
 from gateway.api.edge import RequestContext, context_of
 from gateway.api.render import error_response
@@ -41,6 +41,7 @@ from gateway.errors import (
 )
 from gateway.models import Call, Wire
 from gateway.providers.count import CountQuery, counter_of, estimate_tokens
+from gateway.providers.request import is_agent_header
 from gateway.providers.translate import TranslationError
 from gateway.runtime import Runtime, Services
 from gateway.validate import (
@@ -113,6 +114,7 @@ async def _count(runtime: Runtime, ctx: RequestContext, request: Request, wire: 
     raw = await read_body(scope, request.receive, server.max_body_bytes, server.read_timeout_s)
     model, query = await off_loop(len(raw), parse_count, wire, raw, server.max_count_values)
     services = runtime.services  # the request keeps these to its end, whatever reloads
+    check_model(principal, model, services.names)
     spec = _model(services, model, ctx)
     ctx.model, ctx.requested = spec.name, model
     services.enter()  # a reload meanwhile keeps the providers' pools open until this ends
@@ -198,11 +200,11 @@ def _model(services: Services, name: str, ctx: RequestContext) -> ModelSpec:
 
 
 def _forwarded(scope: Scope, request_id: str) -> dict[str, str]:
-    headers = {"x-request-id": request_id}
-    for name, value in scope["headers"]:
-        if name == b"anthropic-beta":
-            headers["anthropic-beta"] = value.decode("latin-1")
-    return headers
+    """What goes upstream with a count, read as the LLM endpoints read it (`x-request-id`,
+    `traceparent`, `anthropic-beta`); a coding agent's session headers mean nothing to a
+    counter."""
+    forward = read_headers(scope, request_id).forward
+    return {name: value for name, value in forward.items() if not is_agent_header(name)}
 
 
 # --- the body ------------------------------------------------------------------------------------
