@@ -101,8 +101,9 @@ async def test_a_small_provider_is_kept_to_its_slots_once_its_knee_is_learned(
     upstreams: tuple[Counted, Counted],
 ) -> None:
     """Shown once that its fifth request at a time waits, the small provider is then given
-    about its four slots' worth at once (main: all sixteen clients, by weight), and the first
-    tokens stay within the budget (main: those queued behind its slots miss it)."""
+    about its four slots' worth at once (without the knee: all sixteen clients, by weight), and
+    is still used while it has free slots. What that does to first tokens is measured by
+    `bench/knee.py`, not here: a time target in a test fails on a busy machine."""
     small, big = upstreams
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=50)
     async with (
@@ -135,8 +136,6 @@ async def test_a_small_provider_is_kept_to_its_slots_once_its_knee_is_learned(
 
     assert all(map(served_well, answers))
     on_small = sum(a.deployment == SMALL_ID for a in answers)
-    within = sum(a.ttft_s is not None and a.ttft_s * 1000 <= TTFT_BUDGET_MS for a in answers)
     seen = f"{small.most} at once on the small one, {on_small} of {len(answers)} served there"
     assert small.most <= SLOTS + 2, seen
     assert on_small >= len(answers) // 8, seen  # still used while it has free slots
-    assert within >= 0.85 * len(answers), f"{within} within the budget; {seen}"
