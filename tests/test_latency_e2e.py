@@ -309,7 +309,7 @@ class GatewayProcess:
 
     async def healthy(self, within_s: float = 30.0) -> str:
         """Wait until /healthz answers (bounded); return the URL."""
-        deadline = time.monotonic() + within_s
+        deadline = time.monotonic() + scaled(within_s)
         async with httpx.AsyncClient(timeout=2) as http:
             while True:
                 try:
@@ -401,8 +401,9 @@ def p99(values: list[float]) -> float:
 async def poll_ready(
     client: httpx.AsyncClient, url: str, state: str, source: str, *, within_s: float
 ) -> tuple[Body, Body]:
-    """Poll /readyz and /admin/latency until the store's state and the snapshot's source match."""
-    deadline = time.monotonic() + within_s
+    """Poll /readyz and /admin/latency until the store's state and the snapshot's source match
+    (within `within_s`, scaled to the machine)."""
+    deadline = time.monotonic() + scaled(within_s)
     while True:
         ready = await client.get(url + "/readyz")
         assert ready.status_code == 200  # ready whatever the store's state
