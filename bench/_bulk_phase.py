@@ -25,7 +25,7 @@ from bench._bulk_setup import (
     bulk_loads,
     interactive_request,
 )
-from gateway.sketch import nearest_rank
+from gateway.latency.sketch import nearest_rank
 from gateway.tools.load import (
     Client,
     LoadResult,

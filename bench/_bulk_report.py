@@ -16,7 +16,7 @@ from bench._bulk_setup import (
     SIM_PROFILE,
     TTFT_BUDGET_MS,
 )
-from gateway.sketch import nearest_rank
+from gateway.latency.sketch import nearest_rank
 
 SPEEDUP_TARGET: Final = 5.0
 # Interactive TTFT p99 with bulk on, against alone, per server mode.

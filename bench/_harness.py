@@ -25,7 +25,7 @@ from typing import Any, Final, NamedTuple
 import aiohttp
 import orjson
 
-from gateway.sketch import nearest_rank
+from gateway.latency.sketch import nearest_rank
 from gateway.tools.stream import StreamReader
 
 ROOT: Final = Path(__file__).resolve().parent.parent

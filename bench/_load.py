@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gateway.sketch import nearest_rank
+from gateway.latency.sketch import nearest_rank
 from gateway.tools.load import (
     Client,
     Request,

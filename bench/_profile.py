@@ -31,13 +31,13 @@ PARTS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
     ("access log", ("gateway/telemetry/access.py",)),
     (
         "telemetry (spans, metrics, export)",
-        ("gateway/telemetry/", "opentelemetry/", "gateway/semconv.py"),
+        ("gateway/telemetry/", "opentelemetry/", "gateway/telemetry/semconv.py"),
     ),
-    ("latency store (record, flush, refresh)", ("gateway/latency/", "gateway/sketch.py")),
+    ("latency store (record, flush, refresh)", ("gateway/latency/", "gateway/latency/sketch.py")),
     # The one Redis client: the latency store's flushes and refreshes, the rate-limit checks.
     ("Redis client (redis-py)", ("gateway/redis.py", "redis/")),
     ("routing (plan, guards, attempts)", ("gateway/routing/",)),
-    ("auth and rate limits", ("gateway/auth.py", "gateway/ratelimit.py")),
+    ("auth and rate limits", ("gateway/admission/auth.py", "gateway/admission/ratelimit.py")),
     ("upstream adapter (request, decode)", ("gateway/providers/",)),
     ("our edge: admission, parsing, relay", ("gateway/",)),
     ("aiohttp client", ("aiohttp/", "multidict/", "yarl/", "aiosignal/", "frozenlist/")),

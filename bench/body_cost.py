@@ -21,10 +21,10 @@ from typing import Any, cast
 
 import orjson
 
+from gateway.admission.validate import parse_call
 from gateway.providers.request import prepare
 from gateway.routing.affinity import prefix_chain
 from gateway.upstream import Provider
-from gateway.validate import parse_call
 
 _WORDS = "the queue drains when the tail latency budget allows another request through "
 

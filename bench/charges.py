@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.auth import new_key
+from gateway.admission.auth import new_key
 from gateway.tools.stack import Stack, start_gateway, start_sim
 
 BIG, BIG_HASH = new_key()

@@ -92,8 +92,8 @@ from bench._harness import (
     write_results,
 )
 from bench._harness import percentiles_ms as _percentiles_ms
-from gateway.auth import hash_key
-from gateway.sketch import nearest_rank
+from gateway.admission.auth import hash_key
+from gateway.latency.sketch import nearest_rank
 from gateway.tools.load import run_async
 from gateway.tools.stack import Stack, free_port, start_gateway
 from gateway.tools.stream import StreamReader

@@ -23,7 +23,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gateway.auth import KeyRing, exposed_without_keys
+from gateway.admission.auth import KeyRing, exposed_without_keys
+from gateway.admission.ratelimit import Admission, RateLimiter, open_rate_limiter
 from gateway.batching import BatchingProvider, BulkGate
 from gateway.batching.gate import Upstream
 from gateway.config import (
@@ -46,9 +47,8 @@ from gateway.latency import (
 from gateway.providers import open_providers
 from gateway.providers.base import decode_body
 from gateway.providers.vllm import Scraper, ServerState
-from gateway.ratelimit import Admission, RateLimiter, open_rate_limiter
 from gateway.redis import connect_redis
-from gateway.responses_store import ResponseStore, open_response_store
+from gateway.responses.store import ResponseStore, open_response_store
 from gateway.routing import Affinity, Guards, TTFTPredictor, fallback_chain
 from gateway.telemetry import (
     AccessLog,

@@ -47,7 +47,7 @@ async def serve(app: Any) -> AsyncIterator[str]:
         app,
         log_level="warning",
         lifespan="on",
-        http="gateway.protocol:GuardedHttpToolsProtocol",  # as `tailguard serve` runs
+        http="gateway.server.protocol:GuardedHttpToolsProtocol",  # as `tailguard serve` runs
         access_log=False,
     )
     server = uvicorn.Server(config)

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway import semconv as sc
+from gateway.telemetry import semconv as sc
 from tests.conftest import ACCESS, Upstream, gateway_settings, one_model, run_gateway
 from tests.test_metrics import scrape_when
 

@@ -18,7 +18,6 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import semconv as sc
 from gateway.api import create_app
 from gateway.config import AffinitySpec, DeploymentSpec
 from gateway.latency import BandStats, MemoryRecorder, MetricStats, TargetStats
@@ -36,6 +35,7 @@ from gateway.routing.affinity import (
 from gateway.routing.plan import Candidate, Plan
 from gateway.sim.profile import SimProfile
 from gateway.sim.scheduler import SimStats
+from gateway.telemetry import semconv as sc
 from tests.conftest import gateway_settings, serve
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.test_plan import StubProvider

@@ -21,7 +21,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.auth import KeyRing, hash_key, new_key, presented_key
+from gateway.admission.auth import KeyRing, hash_key, new_key, presented_key
 from gateway.config import AuthSpec
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake

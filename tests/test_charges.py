@@ -16,7 +16,7 @@ from typing import Any, Final
 import httpx
 import pytest
 
-from gateway.auth import new_key
+from gateway.admission.auth import new_key
 from tests.conftest import Upstream, gateway_settings, run_gateway
 from tests.timing import scaled
 

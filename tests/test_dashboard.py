@@ -397,7 +397,7 @@ async def test_dashboard_survives_a_gateway_restart(upstream: Upstream) -> None:
 async def test_dashboard_behind_an_admin_key(upstream: Upstream) -> None:
     """With keys configured the browser is asked for the admin key (HTTP Basic: any user name,
     the key as password); once given, the page and its polls of /admin/latency work."""
-    from gateway.auth import new_key
+    from gateway.admission.auth import new_key
 
     key, digest = new_key()
     base = two_models(upstream)

@@ -32,10 +32,10 @@ from schemathesis.specs.openapi.checks import (
 )
 from schemathesis.specs.openapi.schemas import OpenApiSchema
 
+from gateway.admission.auth import hash_key
 from gateway.api import LLM_ROUTES, PRIORITY_HEADER, TOTAL_BUDGET_HEADER, TTFT_BUDGET_HEADER
-from gateway.auth import hash_key
+from gateway.api.openapi import build_openapi
 from gateway.config import Settings
-from gateway.openapi import build_openapi
 from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway
 
 CHECKS = [

@@ -23,8 +23,8 @@ from gateway.latency import (
     TargetStats,
     run_store,
 )
+from gateway.latency.sketch import Sketch
 from gateway.redis import connect_redis
-from gateway.sketch import Sketch
 from tests.conftest import RedisServer
 from tests.timing import scaled
 

@@ -24,15 +24,20 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gateway"
 LIBRARY_OWNERS = {
     "fastapi": {"gateway.api"},
     "starlette": {"gateway.api"},
-    "uvicorn": {"gateway.cli.serve", "gateway.sim.server", "gateway.protocol", "gateway.handoff"},
-    "httptools": {"gateway.protocol", "gateway.tools.load"},
+    "uvicorn": {
+        "gateway.cli.serve",
+        "gateway.sim.server",
+        "gateway.server.protocol",
+        "gateway.server.handoff",
+    },
+    "httptools": {"gateway.server.protocol", "gateway.tools.load"},
     "httpx": set(),
     "aiohttp": {"gateway.providers.http", "gateway.providers.vllm", "gateway.tools.probe"},
     "redis": {
         "gateway.redis",
         "gateway.latency.redis_store",
-        "gateway.ratelimit",
-        "gateway.responses_store",
+        "gateway.admission.ratelimit",
+        "gateway.responses",
     },
     "opentelemetry": {"gateway.telemetry.tracing", "gateway.telemetry.tail"},
     "prometheus_client": {
@@ -172,16 +177,26 @@ def test_arrows_point_one_way() -> None:
             "gateway.runtime",
             "gateway.providers",
         ),
-        "gateway.auth": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.runtime"),
-        "gateway.ratelimit": ("gateway.api", "gateway.routing", "gateway.providers"),
-        "gateway.responses_store": (
+        # Admission (keys, rate limits, body checks) is asked by the edge; it asks no room above.
+        "gateway.admission": (
+            "gateway.api",
+            "gateway.routing",
+            "gateway.providers",
+            "gateway.runtime",
+        ),
+        "gateway.responses": (
             "gateway.api",
             "gateway.routing",
             "gateway.providers",
             "gateway.latency",
             "gateway.runtime",
         ),
-        "gateway.protocol": ("gateway.api", "gateway.routing", "gateway.providers"),
+        "gateway.server": (
+            "gateway.api",
+            "gateway.routing",
+            "gateway.providers",
+            "gateway.runtime",
+        ),
         "gateway.errors": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.config"),
         "gateway.sse": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.config"),
     }
@@ -332,6 +347,6 @@ def test_the_relay_writes_what_routing_hands_it() -> None:
         for name in imported_names("gateway.api.relay")
         if (_in(name, "gateway.routing") and not _in(name, "gateway.routing.committed"))
         or _in(name, "gateway.batching")
-        or _in(name, "gateway.responses_store")
+        or _in(name, "gateway.responses")
     )
     assert found == []

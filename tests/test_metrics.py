@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway import semconv as sc
+from gateway.telemetry import semconv as sc
 from tests.conftest import Upstream, one_model, run_gateway
 from tests.test_tracing import Sim, sim, two
 from tests.timing import scaled

@@ -12,8 +12,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway import semconv as sc
 from gateway.config import ConfigError, ModelNames, build_settings, load_settings
+from gateway.telemetry import semconv as sc
 from tests.conftest import ACCESS, Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.agent_upstream import AgentUpstream
 from tests.test_metrics import scrape_when

@@ -18,8 +18,8 @@ from gateway.config import (
 )
 from gateway.errors import CoolingDownError, InvalidRequestError
 from gateway.latency import BandStats, MetricStats, Snapshot, TargetStats
+from gateway.latency.prompt_size import band_of
 from gateway.models import Call, Endpoint, UpstreamRequest, Wire
-from gateway.prompt_size import band_of
 from gateway.providers.base import stream_limits
 from gateway.routing.plan import (
     Budget,

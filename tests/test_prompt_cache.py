@@ -23,7 +23,6 @@ import pytest
 from anthropic.types import Message
 from openai.types.chat import ChatCompletion
 
-from gateway import semconv as sc
 from gateway.models import Usage
 from gateway.providers.decode import (
     AnthropicStreamDecoder,
@@ -32,6 +31,7 @@ from gateway.providers.decode import (
 )
 from gateway.scrubbing import Scrubber
 from gateway.sse import SSEParser
+from gateway.telemetry import semconv as sc
 from tests.conftest import ACCESS, gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake, count_words
 from tests.fakes.asgi import lifespan, read_body

@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from gateway.latency.prompt_size import band_label, band_of, fit_line, uncached_bytes
 from gateway.models import SSEEvent
-from gateway.prompt_size import band_label, band_of, fit_line, uncached_bytes
 from gateway.providers.decode import (
     AnthropicStreamDecoder,
     decode_anthropic_body,

@@ -14,20 +14,20 @@ import openai
 import orjson
 import pytest
 
-from gateway.auth import Principal, new_key
-from gateway.config import RateLimitSpec
-from gateway.errors import KeyRateLimitedError
-from gateway.latency import MemoryLatencyStore, Sample
-from gateway.models import Call, Endpoint
-from gateway.ratelimit import (
+from gateway.admission.auth import Principal, new_key
+from gateway.admission.ratelimit import (
     LocalBuckets,
     RateLimiter,
     duration,
     estimate_tokens,
     open_rate_limiter,
 )
+from gateway.admission.validate import parse_call
+from gateway.config import RateLimitSpec
+from gateway.errors import KeyRateLimitedError
+from gateway.latency import MemoryLatencyStore, Sample
+from gateway.models import Call, Endpoint
 from gateway.redis import connect_redis
-from gateway.validate import parse_call
 from tests.conftest import RedisServer, Upstream, gateway_settings, run_gateway
 from tests.faults.leaks import settle
 from tests.faults.wire import RedisProxy

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import orjson
 import pytest
 
+from gateway.admission.validate import parse_call
 from gateway.config import CooldownSpec, DeploymentSpec, OnTTFTMiss, PriorSpec, RetryBudgetSpec
 from gateway.errors import AllCandidatesFailedError, ProviderError
 from gateway.latency import MemoryLatencyStore, MetricStats, TargetStats
@@ -21,7 +22,6 @@ from gateway.routing import Budget, Candidate, Guards, Ledger, Opened, Plan, ope
 from gateway.routing.attempts import background_done
 from gateway.scrubbing import Scrubber
 from gateway.upstream import StreamLimits, UpstreamStream
-from gateway.validate import parse_call
 from tests.timing import scaled
 
 LIMITS = StreamLimits(idle_s=60.0, max_precommit_events=1000, max_precommit_bytes=1 << 20)

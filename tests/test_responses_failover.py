@@ -11,8 +11,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 
-from gateway.response_ids import new_response_id
-from gateway.responses_store import KEY_PREFIX, ResponseStore
+from gateway.responses.ids import new_response_id
+from gateway.responses.store import KEY_PREFIX, ResponseStore
 from tests.conftest import free_port
 from tests.test_redis_topologies import (
     PASSWORD,

@@ -19,7 +19,7 @@ from gateway.config import ConfigError, build_settings, load_settings
 from gateway.config.specs import ResponsesSpec
 from gateway.errors import StoreUnavailableError
 from gateway.redis import connect_redis
-from gateway.responses_store import (
+from gateway.responses.store import (
     KEY_PREFIX,
     ResponseGoneError,
     ResponseStore,

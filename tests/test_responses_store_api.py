@@ -14,7 +14,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway.responses_store import KEY_PREFIX
+from gateway.responses.store import KEY_PREFIX
 from tests.conftest import RedisServer, free_port, gateway_settings, run_gateway
 from tests.timing import scaled
 

@@ -17,8 +17,8 @@ from redis.asyncio import Redis
 from gateway.config.specs import ResponsesSpec
 from gateway.errors import StoreUnavailableError
 from gateway.redis import connect_redis
-from gateway.response_ids import minted_at, new_response_id
-from gateway.responses_store import (
+from gateway.responses.ids import minted_at, new_response_id
+from gateway.responses.store import (
     KEY_PREFIX,
     MAX_ATTEMPTS,
     RETRY_S,

@@ -17,10 +17,10 @@ import httpx
 import orjson
 import pytest
 
-from gateway import semconv as sc
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
+from gateway.telemetry import semconv as sc
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.test_latency_e2e import count, poll_latency, tailguard
 from tests.test_metrics import scrape_when

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.sketch import Sketch, latency_report, nearest_rank
+from gateway.latency.sketch import Sketch, latency_report, nearest_rank
 
 LOW, HIGH = 1.0, 600_000.0  # 1 ms to 10 min
 QUANTILES = [i / 100 for i in range(1, 100)] + [0.0, 0.995, 0.999, 1.0]

@@ -17,10 +17,10 @@ import orjson
 import pytest
 from playwright.async_api import expect
 
-from gateway import semconv as sc
 from gateway.api import create_app
+from gateway.api.openapi import build_openapi
 from gateway.latency import BYTES_PER_TOKEN, MemoryRecorder
-from gateway.openapi import build_openapi
+from gateway.telemetry import semconv as sc
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.test_access_log import lines
 from tests.test_dashboard import CHROMIUM, WAIT_MS, Watched, chromium

@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import semconv as sc
 from gateway.config import Settings
+from gateway.telemetry import semconv as sc
 from gateway.telemetry import tracing_from_env
 from gateway.telemetry.tail import TailSampler, TailTrace
 from tests.conftest import free_port, gateway_settings

@@ -24,13 +24,13 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import semconv as sc
 from gateway.api import create_app
 from gateway.config import AuthSpec, Settings
 from gateway.latency import MemoryRecorder
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
+from gateway.telemetry import semconv as sc
 from gateway.telemetry import tracing_from_env
 from tests.conftest import free_port, gateway_settings, serve
 from tests.fakes.otlp_receiver import ExportedSpan, OTLPReceiver, RecordingApp
@@ -374,7 +374,7 @@ async def test_a_gateway_key_is_named_in_the_span_never_carried(
 ) -> None:
     """With API keys on, the server span says which key (its configured name); the key itself,
     accepted or refused, is nowhere in the export."""
-    from gateway.auth import hash_key
+    from gateway.admission.auth import hash_key
 
     key = "tg-client-SECRET-key-1"
     settings = one(primary).model_copy(

@@ -15,8 +15,10 @@ from dataclasses import dataclass, replace
 import orjson
 from starlette.types import Receive, Scope
 
+from gateway.admission.auth import KeyRing, Principal
+from gateway.admission.ratelimit import RateLimiter, Verdict
+from gateway.admission.validate import OUTPUT_LENGTH_FIELDS, off_loop, parse_call
 from gateway.api.conversation import expand_conversation, owner_of
-from gateway.auth import KeyRing, Principal
 from gateway.batching import BATCHED_ENDPOINTS
 from gateway.config import ModelNames, ModelSpec
 from gateway.errors import (
@@ -29,10 +31,8 @@ from gateway.errors import (
 )
 from gateway.models import Call, Endpoint
 from gateway.providers.request import AGENT_HEADERS
-from gateway.ratelimit import RateLimiter, Verdict
 from gateway.routing import Decision, budget_for, decide
 from gateway.runtime import Runtime, Services
-from gateway.validate import OUTPUT_LENGTH_FIELDS, off_loop, parse_call
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 """A request id the gateway honours, or echoes from an upstream."""

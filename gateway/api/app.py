@@ -28,13 +28,13 @@ from gateway.api.conversation import delete_response, get_response, list_input_i
 from gateway.api.conversation_routes import add_conversation_routes
 from gateway.api.count import count_routes
 from gateway.api.edge import LLM_ROUTES, EdgeMiddleware, context_of
+from gateway.api.openapi import build_openapi
 from gateway.api.render import error_response, http_error, unexpected_error
 from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
 from gateway.errors import GatewayError, InvalidRequestError, UnknownModelError, quote
 from gateway.latency import Recorder, TargetStats
-from gateway.openapi import build_openapi
 from gateway.providers.vllm import snapshot as vllm_snapshot
-from gateway.responses_store import ResponseStore
+from gateway.responses.store import ResponseStore
 from gateway.runtime import Runtime, Services
 from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.telemetry import configure_logging, exposition

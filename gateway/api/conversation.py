@@ -17,6 +17,8 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from gateway.admission.auth import Principal
+from gateway.admission.validate import off_loop
 from gateway.api.conversations import (
     append_turn,
     as_item,
@@ -26,12 +28,10 @@ from gateway.api.conversations import (
     parse,
     read,
 )
-from gateway.auth import Principal
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.models import Call
 from gateway.providers.translate.items import input_items, output_items_as_input
-from gateway.responses_store import ResponseGoneError, ResponseStore, StoredResponse
-from gateway.validate import off_loop
+from gateway.responses.store import ResponseGoneError, ResponseStore, StoredResponse
 
 _JSON = "application/json"
 

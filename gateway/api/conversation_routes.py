@@ -11,6 +11,7 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from gateway.admission.validate import load_body, missing_param, off_loop
 from gateway.api.admit import ClientGoneError, read_body
 from gateway.api.conversation import owner_of
 from gateway.api.conversations import (
@@ -27,9 +28,8 @@ from gateway.api.conversations import (
 from gateway.api.edge import context_of
 from gateway.api.render import error_response
 from gateway.errors import GatewayError, InvalidRequestError, NotFoundError
-from gateway.responses_store import ResponseStore
+from gateway.responses.store import ResponseStore
 from gateway.runtime import Runtime
-from gateway.validate import load_body, missing_param, off_loop
 
 _JSON = "application/json"
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {

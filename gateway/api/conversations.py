@@ -22,8 +22,8 @@ import orjson
 
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.providers.translate.items import input_items, new_id
-from gateway.response_ids import new_conversation_id
-from gateway.responses_store import ResponseGoneError, ResponseStore, StoredResponse
+from gateway.responses.ids import new_conversation_id
+from gateway.responses.store import ResponseGoneError, ResponseStore, StoredResponse
 
 PREFIX: Final = "conv_"
 MAX_ADDED: Final = 20  # items per `POST .../items` (and per create), as OpenAI takes them

@@ -26,6 +26,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Scope
 
+from gateway.admission.validate import (
+    check_json_values,
+    check_messages,
+    invalid_type,
+    load_body,
+    missing_param,
+    off_loop,
+    parse_call,
+)
 from gateway.api.admit import ClientGoneError, check_model, read_body, read_headers, visible_models
 from gateway.api.conversation import continue_conversation, owner_of
 from gateway.api.edge import RequestContext, context_of
@@ -44,15 +53,6 @@ from gateway.providers.count import CountQuery, counter_of, estimate_tokens
 from gateway.providers.request import is_agent_header
 from gateway.providers.translate import TranslationError
 from gateway.runtime import Runtime, Services
-from gateway.validate import (
-    check_json_values,
-    check_messages,
-    invalid_type,
-    load_body,
-    missing_param,
-    off_loop,
-    parse_call,
-)
 
 log = logging.getLogger("tailguard")
 

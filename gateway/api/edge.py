@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.admission.auth import Principal
 from gateway.api.admit import (
     REQUEST_ID,
     Admitted,
@@ -29,7 +30,6 @@ from gateway.api.admit import (
 from gateway.api.outcome import RequestOutcome, record
 from gateway.api.proxy import Proxy
 from gateway.api.render import send_error, wire_of
-from gateway.auth import Principal
 from gateway.errors import GatewayError
 from gateway.models import ENDPOINT_WIRE, Endpoint
 from gateway.runtime import Runtime

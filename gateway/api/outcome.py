@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway import semconv as sc
 from gateway.api.admit import TRACEPARENT, Admitted
 from gateway.models import Endpoint
 from gateway.routing import Decision, Opened
 from gateway.runtime import Services
 from gateway.telemetry import RequestTrace
+from gateway.telemetry import semconv as sc
 
 if TYPE_CHECKING:  # the context is made by the edge, which records through this module
     from gateway.api.edge import RequestContext

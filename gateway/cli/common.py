@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gateway.auth import exposed_without_keys, is_loopback
+from gateway.admission.auth import exposed_without_keys, is_loopback
 from gateway.config import CONFIG_PATH_ENV, ConfigError, Settings, config_path, load_settings
 
 err = Console(stderr=True)

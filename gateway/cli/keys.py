@@ -30,7 +30,7 @@ def keys_new(
 ) -> None:
     """Generate a key. The key goes to stdout once, for the client; stderr gets the line for
     the config (under `auth.keys`, or `auth.admin_keys` with --admin), which holds only its hash."""
-    from gateway.auth import new_key
+    from gateway.admission.auth import new_key
     from gateway.config import KeySpec
 
     try:
@@ -61,7 +61,7 @@ def keys_hash() -> None:
     """Print the SHA-256 of a key read from stdin (to configure a key made elsewhere)."""
     import sys
 
-    from gateway.auth import hash_key
+    from gateway.admission.auth import hash_key
 
     key = sys.stdin.readline().strip()
     if not key:

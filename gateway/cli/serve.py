@@ -59,7 +59,7 @@ def serve(
         "loop": "uvloop",
         # uvicorn's httptools protocol plus limits on header size, header read time and the
         # requests one connection may have queued.
-        "http": "gateway.protocol:GuardedHttpToolsProtocol",
+        "http": "gateway.server.protocol:GuardedHttpToolsProtocol",
         "lifespan": "on",
         "access_log": False,
         "log_level": log_level,
@@ -78,10 +78,10 @@ def serve(
         uvicorn.run(app, **options)
         return
     # Workers are separate processes: each loads the same (already validated) file. This
-    # process accepts and deals the connections out to them (gateway/workers.py).
+    # process accepts and deals the connections out to them (gateway/server/workers.py).
     os.environ[CONFIG_PATH_ENV] = str(config_path(config).resolve())
     os.environ[LOG_LEVEL_ENV] = log_level
-    from gateway.workers import serve_workers
+    from gateway.server.workers import serve_workers
 
     status = serve_workers(count, options, grace_s=settings.server.shutdown_grace_s)
     raise typer.Exit(status)

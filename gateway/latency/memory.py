@@ -6,11 +6,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
+from gateway.latency.prompt_size import band_of
 from gateway.latency.samples import Metric, Recorder, Sample, observations
+from gateway.latency.sketch import DEFAULT_ALPHA, Sketch
 from gateway.latency.snapshot import Snapshot, Source, build_snapshot
 from gateway.latency.window import MODEL_TAG, RECENT_SLICES, Windows, tags_of
-from gateway.prompt_size import band_of
-from gateway.sketch import DEFAULT_ALPHA, Sketch
 
 
 class LatencyStore(Recorder, Protocol):

@@ -23,10 +23,10 @@ from redis.asyncio.cluster import RedisCluster
 
 from gateway.latency.memory import MemoryLatencyStore
 from gateway.latency.samples import METRICS, Sample
+from gateway.latency.sketch import DEFAULT_ALPHA
 from gateway.latency.snapshot import Snapshot, Source, build_snapshot
 from gateway.latency.window import MODEL_TAG, RECENT_SLICES, Counts, Windows, tags_of
 from gateway.redis import Breaker, RedisClient, Ticket
-from gateway.sketch import DEFAULT_ALPHA
 
 logger = logging.getLogger(__name__)
 

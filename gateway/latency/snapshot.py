@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from gateway.latency.prompt_size import band_label, fit_line
+from gateway.latency.sketch import Sketch
 from gateway.latency.window import MODEL_TAG, Counts
-from gateway.prompt_size import band_label, fit_line
-from gateway.sketch import Sketch
 
 Source = Literal["memory", "redis", "local-fallback"]
 

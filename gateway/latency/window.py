@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from gateway.latency.samples import BYTES_PER_TOKEN, METRICS, NOT_FAILURES, Metric, Sample
-from gateway.sketch import Sketch
+from gateway.latency.sketch import Sketch
 
 RECENT_SLICES = 2  # the recent view: the current slice and the one before (~5-10 s)
 MODEL_TAG = "model:"  # hash-tag prefix of per-model keys; deployments are tagged by bare name

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
+from gateway.admission.validate import off_loop
 from gateway.config import ProviderSpec
 from gateway.errors import ProviderError, ProviderTimeoutError, upstream_error
 from gateway.models import Wire
@@ -39,7 +40,6 @@ from gateway.providers.translate import (
 from gateway.providers.translate.items import responses_request_to_chat
 from gateway.sim.wire import BadRequestError
 from gateway.upstream import Provider
-from gateway.validate import off_loop
 
 CHARS_PER_TOKEN: Final = 4
 """The estimate's rule of thumb: about four characters of English text per token."""

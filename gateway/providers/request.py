@@ -34,7 +34,7 @@ from gateway.providers.translate.events import (
 )
 from gateway.providers.translate.items import translate_responses_request
 from gateway.providers.translate.tools import UnsupportedTools
-from gateway.response_ids import new_response_id
+from gateway.responses.ids import new_response_id
 from gateway.upstream import Provider
 
 _STREAMED_WITH_USAGE = ("chat", "completions")

@@ -35,8 +35,8 @@ import orjson
 
 from gateway.config import AffinitySpec
 from gateway.latency import TargetStats
+from gateway.latency.prompt_size import fit_line
 from gateway.models import Call
-from gateway.prompt_size import fit_line
 from gateway.providers.vllm import ServerLoad
 from gateway.routing.plan import Candidate, Plan
 

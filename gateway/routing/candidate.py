@@ -13,7 +13,7 @@ from typing import Literal
 
 from gateway.config import DeploymentSpec
 from gateway.latency import MetricStats, TargetStats
-from gateway.prompt_size import band_of, fit_line
+from gateway.latency.prompt_size import band_of, fit_line
 from gateway.upstream import Provider
 
 Level = Literal["p50", "p90", "p95", "p99"]

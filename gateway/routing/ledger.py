@@ -17,13 +17,13 @@ from typing import Any, Protocol
 
 from gateway.errors import InvalidRequestError
 from gateway.latency import BYTES_PER_TOKEN, CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Recorder, Sample
+from gateway.latency.prompt_size import uncached_bytes
 from gateway.models import Call, Chunk, Usage
-from gateway.prompt_size import uncached_bytes
 from gateway.providers.request import Prepared, prepare
 from gateway.routing.guards import Guards
 from gateway.routing.plan import Budget, Candidate, Route
 from gateway.routing.predict import TTFTPredictor, prompt_band
-from gateway.semconv import OPERATIONS
+from gateway.telemetry.semconv import OPERATIONS
 from gateway.upstream import UpstreamStream
 
 MAX_FINISH_REASONS = 16  # kept per stream (an upstream may repeat one on every event)

@@ -27,8 +27,8 @@ from typing import Literal
 from gateway.config import DeploymentSpec, ModelSpec, OnTotalMiss, OnTTFTMiss, Settings
 from gateway.errors import CoolingDownError, InvalidRequestError
 from gateway.latency import Snapshot
+from gateway.latency.prompt_size import band_of
 from gateway.models import Call
-from gateway.prompt_size import band_of
 from gateway.providers import can_serve
 
 # What a candidate is, and its TTFT for a prompt's size (re-exported: the planner's vocabulary).

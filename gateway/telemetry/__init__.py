@@ -1,8 +1,9 @@
 """Telemetry: Prometheus metrics, OpenTelemetry traces and the access log.
 
-Names live in `gateway.semconv`. The request path only increments counters and, when tracing is
-configured, starts and ends spans; everything else happens at scrape or export time, off the
-request path. Each app owns its registry and tracer provider, so apps never mix their numbers.
+Names live in `gateway.telemetry.semconv`. The request path only increments counters and, when
+tracing is configured, starts and ends spans; everything else happens at scrape or export time,
+off the request path. Each app owns its registry and tracer provider, so apps never mix their
+numbers.
 """
 
 from gateway.telemetry.access import AccessLog, configure_logging

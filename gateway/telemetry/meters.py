@@ -16,8 +16,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway import semconv as sc
 from gateway.latency import BYTES_PER_TOKEN, CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Sample, Snapshot
+from gateway.telemetry import semconv as sc
 from gateway.telemetry.usage import PromptTokens
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # `*_created` series double the exposition and no dashboard reads them

@@ -131,7 +131,7 @@ class BulkPreemptionsCollector(Collector):
 
 
 class StoreView(Protocol):
-    """What the response-store collector reads (`gateway.responses_store.ResponseStore`)."""
+    """What the response-store collector reads (`gateway.responses.store.ResponseStore`)."""
 
     def health(self) -> Mapping[str, Any]: ...
     def stats(self) -> Mapping[str, int]: ...

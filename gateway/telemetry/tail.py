@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from gateway import semconv as sc
+from gateway.telemetry import semconv as sc
 
 EXPORTED: Final = "exported"
 DROPPED: Final = "dropped"

@@ -1,5 +1,5 @@
 """OpenTelemetry traces: a SERVER span per client request and a CLIENT span per upstream attempt,
-named and attributed per the GenAI semantic conventions (names in `gateway.semconv`).
+named and attributed per the GenAI semantic conventions (names in `gateway.telemetry.semconv`).
 
 Configured from the standard `OTEL_*` environment variables and off unless an OTLP endpoint (or
 `OTEL_TRACES_EXPORTER`) is set. Sampling is tail-aware unless `OTEL_TRACES_SAMPLER` is set: every
@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway import semconv as sc
+from gateway.telemetry import semconv as sc
 from gateway.telemetry.tail import (
     TailSampler,
     attempt_attributes,

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from gateway.sketch import nearest_rank
+from gateway.latency.sketch import nearest_rank
 
 __all__ = [
     "MODES",

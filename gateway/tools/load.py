@@ -44,7 +44,7 @@ from typing import Any, Final, Literal, TypeVar, cast
 import httptools
 import orjson
 
-from gateway.sketch import nearest_rank
+from gateway.latency.sketch import nearest_rank
 from gateway.tools.stream import StreamReader
 
 __all__ = [

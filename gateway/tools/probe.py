@@ -25,7 +25,7 @@ from typing import Final
 import aiohttp
 import orjson
 
-from gateway.sketch import latency_report, nearest_rank
+from gateway.latency.sketch import latency_report, nearest_rank
 from gateway.sse import SSEFramingError, SSEParser
 
 __all__ = [

@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from gateway import semconv as sc
-from gateway.prompt_size import BANDS, band_label, band_of
+from gateway.latency.prompt_size import BANDS, band_label, band_of
+from gateway.telemetry import semconv as sc
 
 LONG_FROM_KIB: Final = 8  # by default a request body of 8 KiB or more is a long prompt
 # Where a class may start: a band's lower edge (the bands double from 2 KiB to 128 KiB).

@@ -20,6 +20,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.admission.validate import parse_call
 from gateway.config import CooldownSpec, DeploymentSpec, OnTTFTMiss, RetryBudgetSpec
 from gateway.errors import (
     GatewayError,
@@ -33,7 +34,6 @@ from gateway.routing import Budget, Candidate, Ledger, Plan, open_first
 from gateway.routing.guards import Guards
 from gateway.scrubbing import Scrubber
 from gateway.upstream import StreamLimits, UpstreamStream
-from gateway.validate import parse_call
 from tests.conftest import run_gateway
 from tests.faults.conftest import chat, routed, settled
 from tests.faults.wire import DONE, Exchange, RawUpstream, sse_token

@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.auth import new_key
+from gateway.admission.auth import new_key
 from tests.conftest import gateway_settings, run_gateway
 from tests.faults.conftest import client, settled
 

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import new_key
-from gateway.validate import MAX_JSON_DEPTH
+from gateway.admission.auth import new_key
+from gateway.admission.validate import MAX_JSON_DEPTH
 from tests.conftest import Gateway, gateway_settings, run_gateway
 from tests.faults.wire import DONE, Exchange, RawUpstream
 

@@ -27,10 +27,10 @@ import orjson
 import pytest
 import uvicorn
 
+from gateway.admission.auth import hash_key
 from gateway.api import create_app
-from gateway.auth import hash_key
 from gateway.config import Settings
-from gateway.protocol import MAX_PIPELINED, GuardedHttpToolsProtocol
+from gateway.server.protocol import MAX_PIPELINED, GuardedHttpToolsProtocol
 from tests.conftest import gateway_settings
 from tests.faults.leaks import request_tasks, settle, task_names
 

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.auth import Principal, new_key
+from gateway.admission.auth import Principal, new_key
+from gateway.admission.ratelimit import open_rate_limiter
 from gateway.errors import OverloadedError
-from gateway.ratelimit import open_rate_limiter
 from tests.conftest import RedisServer, Upstream, run_gateway
 from tests.faults.conftest import chat, routed
 from tests.faults.leaks import settle

@@ -26,8 +26,8 @@ Pipelining is bounded: uvicorn parsed every byte it read and queued each pipelin
 one connection could queue without bound. Here at most `MAX_PIPELINED` requests wait; the rest
 of what was read stays unparsed with reading paused until they are answered.
 
-Serve with `uvicorn.Config(..., http="gateway.protocol:GuardedHttpToolsProtocol")`; the limits
-come from the running gateway's config (the lifespan state), with the defaults otherwise.
+Serve with `uvicorn.Config(..., http="gateway.server.protocol:GuardedHttpToolsProtocol")`; the
+limits come from the running gateway's config (the lifespan state), with the defaults otherwise.
 """
 
 from __future__ import annotations

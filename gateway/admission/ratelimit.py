@@ -33,7 +33,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from gateway.auth import Principal
+from gateway.admission.auth import Principal
 from gateway.config import RateLimitSpec, Settings
 from gateway.errors import KeyRateLimitedError, OverloadedError
 from gateway.latency import LatencyStore

@@ -1,5 +1,5 @@
 """A worker process of `tailguard serve --workers N`: uvicorn fed with connections by the
-supervisor (`gateway/workers.py`) instead of a listening socket of its own.
+supervisor (`gateway/server/workers.py`) instead of a listening socket of its own.
 
 The worker gets one end of a Unix socketpair. Each connection the supervisor accepted arrives on
 it as an SCM_RIGHTS message (one HANDOFF byte carrying the socket), and is served with uvicorn's

@@ -1,11 +1,12 @@
 """The OpenAPI document: the framework's own for the GET routes, hand-written for the rest.
 
 The LLM endpoints are served by the edge middleware, outside the framework's routing, so only
-`static/openapi.yaml` describes them: request bodies as `gateway.validate` checks them, the OpenAI
-and Anthropic shapes of their fields, and each answer, streamed or not. This module merges that
-file into the framework's document and adds what follows from the code or the config: the
-request headers the edge reads, the headers of every answer, every error status with the body of
-the endpoint's wire, the configured model names, and whether credentials are required.
+`static/openapi.yaml` describes them: request bodies as `gateway.admission.validate` checks
+them, the OpenAI and Anthropic shapes of their fields, and each answer, streamed or not. This
+module merges that file into the framework's document and adds what follows from the code or the
+config: the request headers the edge reads, the headers of every answer, every error status with
+the body of the endpoint's wire, the configured model names, and whether credentials are
+required.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gateway.routing.plan import Route
 
 Document = dict[str, Any]
 
-SPEC_PATH: Final = Path(__file__).parent / "static" / "openapi.yaml"
+SPEC_PATH: Final = Path(__file__).parent.parent / "static" / "openapi.yaml"
 
 # Statuses an LLM endpoint answers besides 200, and when.
 ERROR_STATUSES: Final[dict[int, str]] = {

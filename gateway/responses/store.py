@@ -13,7 +13,7 @@ without asking). After a Redis failure a breaker leaves Redis alone for a jitter
 backoff (0.5 s to 10 s), then lets one read probe it (`gateway.redis.Breaker`): reads that
 memory cannot answer meanwhile raise `StoreUnavailableError` at once.
 
-A response id made by the gateway says when (`gateway.response_ids`): one that Redis does not
+A response id made by the gateway says when (`gateway.responses.ids`): one that Redis does not
 hold, made less than `RETRY_S` ago, may be a write still pending on another replica, so a read of
 it raises `StoreUnavailableError` (503, try again) rather than answering "not found".
 
@@ -38,8 +38,8 @@ from gateway.config import Settings
 from gateway.config.specs import ResponsesSpec
 from gateway.errors import StoreUnavailableError
 from gateway.redis import RedisClient, connect_redis
-from gateway.response_ids import minted_at
-from gateway.responses_store.redis_tier import (
+from gateway.responses.ids import minted_at
+from gateway.responses.redis_tier import (
     KEY_PREFIX,
     MAX_ATTEMPTS,
     RETRY_S,

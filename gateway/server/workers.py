@@ -2,7 +2,7 @@
 
 `tailguard serve --workers N` runs this supervisor (the `tailguard serve` process) and N
 workers, each a spawned process running `create_app_from_env` under uvicorn
-(`gateway/handoff.py`). The supervisor alone listens and accepts. It hands each accepted
+(`gateway/server/handoff.py`). The supervisor alone listens and accepts. It hands each accepted
 connection to the worker with the fewest open connections (ties in turn) as an SCM_RIGHTS
 message on that worker's Unix socketpair and closes its own copy; the worker reports each of
 its connections that closes, which keeps the counts true. Counts rather than plain turns:
@@ -39,7 +39,7 @@ from functools import partial
 from multiprocessing.process import BaseProcess
 from typing import Any, Final
 
-from gateway.handoff import CLOSED, HANDOFF, READY, STARTUP_FAILURE, run_worker
+from gateway.server.handoff import CLOSED, HANDOFF, READY, STARTUP_FAILURE, run_worker
 
 __all__ = ["Supervisor", "listen", "serve_workers"]
 
