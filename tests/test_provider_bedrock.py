@@ -1,0 +1,680 @@
+"""AWS Bedrock (Converse / ConverseStream) behind the gateway, from every client wire.
+
+Real HTTP on loopback: the official OpenAI and Anthropic SDKs call the gateway, which signs its
+requests with SigV4 through botocore's credential chain (or sends a Bedrock API key) to a fake of
+the Converse API (`tests/fakes/bedrock_upstream.py`) that recomputes every signature and answers
+real event-stream frames. The credential chain reads the process environment and files made in
+the test; it never reaches a real AWS endpoint (instance metadata is switched off).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gateway import semconv as sc
+from gateway.api import create_app
+from gateway.config import build_settings
+from gateway.latency import MemoryRecorder
+from tests.conftest import run_gateway, serve
+from tests.fakes.anthropic_upstream import AnthropicFake
+from tests.fakes.anthropic_upstream import answer_text as claude_text
+from tests.fakes.bedrock_upstream import (
+    AFTER_TOOL_TEXT,
+    REASONING,
+    SIGNATURE,
+    TOOL_INPUT,
+    TOOL_TEXT,
+    BedrockFake,
+    answer_text,
+)
+from tests.fakes.otlp_receiver import OTLPReceiver
+from tests.schemas import parse_sse, validate, validate_error, validate_stream
+
+ACCESS_KEY = "AKIAFAKEBEDROCK00001"
+SECRET = "fakeSecret/Bedrock+0123456789abcdefSECRET"
+TOKEN = "FwoGZXIvYXdzEFAKEsessionTOKEN0123456789"
+OTHER_KEY = "AKIAFAKEBEDROCK00002"
+OTHER_SECRET = "otherSecret/Bedrock+0123456789abcdefROTATED"
+API_KEY = "ABSKQmVkcm9ja0FQSUtleS1mYWtlLTAxMjM0NTY3ODk="
+ANTHROPIC_KEY = "sk-ant-api03-configured-upstream-key-0123456789"
+MODEL = "anthropic.claude-x-v1:0"
+TIMEOUT_S = 10.0
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A clean AWS environment: no real files, no instance metadata, the test's credentials."""
+    for name in (
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_ROLE_ARN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_BEARER_TOKEN_BEDROCK",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", TOKEN)
+    yield tmp_path
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[BedrockFake, str]]:
+    bedrock = BedrockFake(credentials={ACCESS_KEY: (SECRET, TOKEN)}, api_keys=(API_KEY,))
+    async with serve(bedrock) as url:
+        yield bedrock, url
+
+
+def config(url: str, model: str = MODEL, *, models: Any = None, **provider: Any) -> Any:
+    providers = {"aws": {"type": "bedrock", "region": "us-east-1", "base_url": url, **provider}}
+    deployments = [{"provider": "aws", "model": model}]
+    return build_settings(
+        {
+            "providers": providers,
+            "models": models or [{"name": "claude", "deployments": deployments}],
+        }
+    )
+
+
+class Clients:
+    def __init__(self, url: str, stack: AsyncExitStack) -> None:
+        self.url = url
+        self.openai = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="client", max_retries=0, timeout=TIMEOUT_S
+        )
+        self.anthropic = anthropic.AsyncAnthropic(
+            base_url=url, api_key="client", max_retries=0, timeout=TIMEOUT_S
+        )
+        self.http = httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S)
+        stack.push_async_callback(self.openai.close)
+        stack.push_async_callback(self.anthropic.close)
+        stack.push_async_callback(self.http.aclose)
+
+
+@asynccontextmanager
+async def gateway(settings: Any) -> AsyncIterator[Clients]:
+    async with AsyncExitStack() as stack:
+        gw = await stack.enter_async_context(run_gateway(settings))
+        yield Clients(gw.url, stack)
+
+
+# --- Messages: signing, mapping both ways ---------------------------------------------------------
+
+
+async def test_messages_are_signed_and_mapped_to_converse(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """An Anthropic SDK request reaches Converse signed with the environment's credentials (the
+    fake recomputes the signature), with system, inference settings, cache points, thinking,
+    betas and latency-optimized inference mapped; the answer comes back as a valid Message with
+    the thinking signature and cache counts."""
+    bedrock, url = fake
+    async with gateway(
+        config(url, MODEL + "@reasoning,cached=7", performance_latency="optimized")
+    ) as c:
+        message = await c.anthropic.messages.create(
+            model="claude",
+            max_tokens=300,
+            stop_sequences=["END"],
+            system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+            messages=[{"role": "user", "content": "hello there"}],
+            thinking={"type": "enabled", "budget_tokens": 1024},
+            extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"},
+            extra_body={"temperature": 0.5, "top_p": 0.9},
+        )
+    received = bedrock.requests[-1]
+    assert received.path == f"/model/{MODEL}@reasoning,cached=7/converse"
+    assert received.headers["authorization"].startswith(
+        f"AWS4-HMAC-SHA256 Credential={ACCESS_KEY}/"
+    )
+    assert received.headers["x-amz-security-token"] == TOKEN
+    assert bedrock.refused == []
+    assert received.body == {
+        "messages": [{"role": "user", "content": [{"text": "hello there"}]}],
+        "system": [{"text": "Be brief."}, {"cachePoint": {"type": "default"}}],
+        "inferenceConfig": {
+            "maxTokens": 300,
+            "temperature": 0.5,
+            "topP": 0.9,
+            "stopSequences": ["END"],
+        },
+        "additionalModelRequestFields": {
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "anthropic_beta": ["interleaved-thinking-2025-05-14"],
+        },
+        "performanceConfig": {"latency": "optimized"},
+    }
+    assert "anthropic-beta" not in received.headers
+    thinking, text = message.content
+    assert thinking.type == "thinking" and thinking.thinking == "".join(REASONING)
+    assert thinking.signature == SIGNATURE
+    assert text.type == "text" and text.text == answer_text(5)
+    assert message.stop_reason == "end_turn"
+    assert message.usage.input_tokens == 4  # "Be brief." + "hello there"
+    assert message.usage.cache_read_input_tokens == 7
+
+
+async def test_a_messages_stream_is_decoded_from_event_stream_frames(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """ConverseStream's binary frames become a valid Messages stream: thinking with its
+    signature, text, then `message_delta` with the stop reason and usage, then `message_stop`."""
+    _, url = fake
+    async with gateway(config(url, MODEL + "@reasoning,cached=3")) as c:
+        body = {
+            "model": "claude",
+            "max_tokens": 100,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hello there"}],
+        }
+        response = await c.http.post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    events = parse_sse(response.text)
+    kinds = [name for name, _ in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "".join(REASONING)
+    assert [d["signature"] for d in deltas if d["type"] == "signature_delta"] == [SIGNATURE]
+    assert "".join(d.get("text", "") for d in deltas) == answer_text(5)
+    final = events[-2][1]
+    assert final["delta"]["stop_reason"] == "end_turn"
+    assert final["usage"]["output_tokens"] == 5 and final["usage"]["cache_read_input_tokens"] == 3
+
+
+# --- OpenAI clients: chat and Responses, with a tool round trip ---------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_chat_tool_round_trip(
+    aws_env: Path, fake: tuple[BedrockFake, str], stream: bool
+) -> None:
+    """OpenAI chat with a tool: the call comes back as `tool_calls` with its arguments, and the
+    tool's result goes out as a Converse toolResult that the model answers."""
+    bedrock, url = fake
+    async with gateway(config(url, MODEL + "@tool")) as c:
+        messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+        first = await chat(c, messages, stream)
+        assert first["finish_reason"] == "tool_calls"
+        assert first["content"] == TOOL_TEXT
+        (call,) = first["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == TOOL_INPUT
+        sent = bedrock.requests[-1].body
+        assert sent["toolConfig"]["tools"][0]["toolSpec"]["name"] == "get_weather"
+        assert sent["toolConfig"]["tools"][0]["toolSpec"]["inputSchema"]["json"]["required"] == [
+            "city"
+        ]
+        messages += [
+            {"role": "assistant", "content": first["content"], "tool_calls": first["tool_calls"]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+        ]
+        second = await chat(c, messages, stream)
+    assert second["content"] == AFTER_TOOL_TEXT and second["finish_reason"] == "stop"
+    turns = bedrock.requests[-1].body["messages"]
+    assert [t["role"] for t in turns] == ["user", "assistant", "user"]
+    use = turns[1]["content"][-1]["toolUse"]
+    assert use["name"] == "get_weather" and use["input"] == TOOL_INPUT
+    result = turns[2]["content"][0]["toolResult"]
+    assert result == {"toolUseId": use["toolUseId"], "content": [{"text": "sunny"}]}
+
+
+async def chat(c: Clients, messages: list[Any], stream: bool) -> dict[str, Any]:
+    """One chat answer's message fields and finish reason, validated by the chat schema."""
+    body = {"model": "claude", "messages": messages, "tools": [WEATHER_TOOL], "stream": stream}
+    response = await c.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    if not stream:
+        answer = response.json()
+        validate("chat", "CreateChatCompletionResponse", answer)
+        choice = answer["choices"][0]
+        return {**choice["message"], "finish_reason": choice["finish_reason"]}
+    events = parse_sse(response.text)
+    validate_stream("chat", events)
+    content, finish = "", None
+    calls: dict[int, dict[str, Any]] = {}
+    for _, data in events:
+        if data == "[DONE]" or not data["choices"]:
+            continue
+        delta = data["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for part in delta.get("tool_calls") or ():
+            call = calls.setdefault(
+                part["index"],
+                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            call["id"] += part.get("id") or ""
+            call["function"]["name"] += part.get("function", {}).get("name") or ""
+            call["function"]["arguments"] += part.get("function", {}).get("arguments") or ""
+        finish = data["choices"][0].get("finish_reason") or finish
+    return {"content": content, "tool_calls": list(calls.values()), "finish_reason": finish}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_responses_tool_round_trip(
+    aws_env: Path, fake: tuple[BedrockFake, str], stream: bool
+) -> None:
+    """The OpenAI SDK's Responses API: a function call, then its output sent back through
+    `previous_response_id`, answered by the model."""
+    bedrock, url = fake
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": WEATHER_TOOL["function"]["parameters"],
+    }
+    async with gateway(config(url, MODEL + "@tool")) as c:
+        first = await respond(c, {"input": "Weather in Paris?", "tools": [tool]}, stream)
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        assert call.name == "get_weather" and json.loads(call.arguments) == TOOL_INPUT
+        output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+        second = await respond(
+            c, {"input": [output], "tools": [tool], "previous_response_id": first.id}, stream
+        )
+    assert second.output_text == AFTER_TOOL_TEXT
+    result = bedrock.requests[-1].body["messages"][-1]["content"][0]["toolResult"]
+    assert result["content"] == [{"text": "sunny"}]
+
+
+async def respond(c: Clients, body: dict[str, Any], stream: bool) -> Any:
+    if not stream:
+        raw = await c.openai.responses.with_raw_response.create(model="claude", **body)
+        validate("responses", "ResponseResource", raw.http_response.json())
+        return raw.parse()
+    async with c.openai.responses.stream(model="claude", **body) as events:
+        async for _ in events:
+            pass
+        return await events.get_final_response()
+
+
+async def test_anthropic_sdk_tool_round_trip_streamed(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """The Anthropic SDK's stream helper assembles the tool call from input_json deltas."""
+    bedrock, url = fake
+    tool: Any = {
+        "name": "get_weather",
+        "input_schema": WEATHER_TOOL["function"]["parameters"],
+        "cache_control": {"type": "ephemeral"},
+    }
+    async with gateway(config(url, MODEL + "@tool")) as c:
+        turns: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+        async with c.anthropic.messages.stream(
+            model="claude",
+            max_tokens=100,
+            messages=turns,
+            tools=[tool],
+            tool_choice={"type": "any"},
+        ) as stream:
+            first = await stream.get_final_message()
+        use = first.content[-1]
+        assert use.type == "tool_use" and use.input == TOOL_INPUT
+        assert first.stop_reason == "tool_use"
+        sent = bedrock.requests[-1].body["toolConfig"]
+        assert sent["tools"][1] == {"cachePoint": {"type": "default"}}
+        assert sent["toolChoice"] == {"any": {}}
+        turns += [
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True) for b in first.content],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": use.id,
+                        "content": "sunny",
+                        "is_error": True,
+                    }
+                ],
+            },
+        ]
+        second = await c.anthropic.messages.create(
+            model="claude", max_tokens=100, messages=turns, tools=[tool]
+        )
+    answer = second.content[0]
+    assert answer.type == "text" and answer.text == AFTER_TOOL_TEXT
+    result = bedrock.requests[-1].body["messages"][-1]["content"][0]["toolResult"]
+    assert result["status"] == "error"
+
+
+# --- credentials ---------------------------------------------------------------------------------
+
+
+async def test_a_wrong_secret_is_refused_and_never_shown(
+    aws_env: Path, fake: tuple[BedrockFake, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signature made with a wrong secret is refused by the fake (403
+    InvalidSignatureException): the client's error names AWS credentials (not an api_key) and
+    holds no part of the secret or token."""
+    bedrock, url = fake
+    wrong = "wrongSecret/Bedrock+0123456789abcdefWRONG"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
+    async with gateway(config(url)) as c:
+        response = await c.http.post(
+            "/v1/messages",
+            json={
+                "model": "claude",
+                "max_tokens": 10,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+    assert bedrock.refused == ["InvalidSignatureException"]
+    assert response.status_code == 502
+    validate_error("messages", response.json())
+    message = response.json()["error"]["message"]
+    assert "AWS credentials" in message and "api_key" not in message
+    for secret in (wrong, TOKEN, SECRET):
+        assert secret not in response.text
+
+
+async def test_a_bedrock_api_key_is_sent_as_a_bearer_token(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """With `api_key`, no SigV4: the key goes as `Authorization: Bearer`; a wrong one is
+    refused and the error says to check the api_key, without it."""
+    bedrock, url = fake
+    body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}]}
+    async with gateway(config(url, api_key=API_KEY)) as c:
+        answer = await c.http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert bedrock.requests[-1].headers["authorization"] == f"Bearer {API_KEY}"
+    assert "x-amz-date" not in bedrock.requests[-1].headers
+    async with gateway(config(url, api_key="ABSK-not-the-key-0123456789")) as c:
+        refused = await c.http.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 502
+    assert "api_key" in refused.json()["error"]["message"]
+    assert "ABSK-not-the-key-0123456789" not in refused.text
+
+
+async def test_credentials_from_a_shared_profile_file(
+    aws_env: Path, fake: tuple[BedrockFake, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`aws_profile` picks a profile of the shared credentials file."""
+    bedrock, url = fake
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+    bedrock.credentials[OTHER_KEY] = (OTHER_SECRET, None)
+    (aws_env / "credentials").write_text(
+        f"[default]\naws_access_key_id = AKIANOTUSED000000000\naws_secret_access_key = x\n\n"
+        f"[team]\naws_access_key_id = {OTHER_KEY}\naws_secret_access_key = {OTHER_SECRET}\n"
+    )
+    body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}]}
+    async with gateway(config(url, aws_profile="team")) as c:
+        answer = await c.http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert f"Credential={OTHER_KEY}/" in bedrock.requests[-1].headers["authorization"]
+    assert "x-amz-security-token" not in bedrock.requests[-1].headers
+
+
+async def test_expiring_credentials_are_refreshed(
+    aws_env: Path, fake: tuple[BedrockFake, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Temporary credentials from a profile's `credential_process`, about to expire, are
+    fetched again (off the event loop) before the next request: once the first set is revoked,
+    requests go on with the second."""
+    bedrock, url = fake
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+    current = aws_env / "current.json"
+    script = aws_env / "creds.py"
+    script.write_text(f"import sys; sys.stdout.write(open({str(current)!r}).read())\n")
+    (aws_env / "config").write_text(
+        f"[profile temp]\ncredential_process = {sys.executable} {script}\n"
+    )
+
+    def issue(key: str, secret: str, token: str) -> None:
+        # Expiring within botocore's refresh window: each use fetches them again.
+        expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)
+        current.write_text(
+            json.dumps(
+                {
+                    "Version": 1,
+                    "AccessKeyId": key,
+                    "SecretAccessKey": secret,
+                    "SessionToken": token,
+                    "Expiration": expiry.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                }
+            )
+        )
+
+    issue(ACCESS_KEY, SECRET, TOKEN)
+    body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}]}
+    async with gateway(config(url, aws_profile="temp")) as c:
+        first = await c.http.post("/v1/chat/completions", json=body)
+        assert first.status_code == 200, first.text
+        del bedrock.credentials[ACCESS_KEY]  # revoked: the old set is now refused
+        bedrock.credentials[OTHER_KEY] = (OTHER_SECRET, "rotated-session-token-0123456789")
+        issue(OTHER_KEY, OTHER_SECRET, "rotated-session-token-0123456789")
+        second = await c.http.post("/v1/chat/completions", json=body)
+    assert second.status_code == 200, second.text
+    assert f"Credential={OTHER_KEY}/" in bedrock.requests[-1].headers["authorization"]
+    assert bedrock.refused == []
+
+
+# --- errors, failover and hedging across two clouds -----------------------------------------------
+
+
+@asynccontextmanager
+async def two_clouds(
+    url: str, bedrock_model: str, claude_model: str = "claude-x", **model: Any
+) -> AsyncIterator[tuple[Clients, AnthropicFake]]:
+    """Model `claude` on Bedrock, then the same model on Anthropic's API."""
+    claude = AnthropicFake(api_key=ANTHROPIC_KEY)
+    async with serve(claude) as claude_url:
+        settings = build_settings(
+            {
+                "providers": {
+                    "aws": {"type": "bedrock", "region": "us-east-1", "base_url": url},
+                    "anthropic": {
+                        "type": "anthropic",
+                        "base_url": claude_url,
+                        "api_key": ANTHROPIC_KEY,
+                    },
+                },
+                "models": [
+                    {
+                        "name": "claude",
+                        "deployments": [
+                            {"provider": "aws", "model": bedrock_model, "weight": 1_000_000},
+                            {"provider": "anthropic", "model": claude_model, "weight": 0.000001},
+                        ],
+                        **model,
+                    }
+                ],
+            }
+        )
+        async with gateway(settings) as c:
+            yield c, claude
+
+
+@pytest.mark.parametrize(
+    "script", ["throttle", "not_ready", "unavailable", "stream_exception=throttlingException"]
+)
+async def test_throttling_fails_over_to_the_same_model_on_another_cloud(
+    aws_env: Path, fake: tuple[BedrockFake, str], script: str
+) -> None:
+    """Throttling (429 ThrottlingException, or inside the stream), a model not ready and an
+    unavailable service fail over to the same model on Anthropic's API, and cool Bedrock down."""
+    bedrock, url = fake
+    async with two_clouds(url, f"{MODEL}@{script}") as (c, claude):
+        response = await c.http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "claude",
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+    assert response.status_code == 200, response.text
+    assert response.headers["x-tailguard-deployment"] == "anthropic/claude-x"
+    assert response.headers["x-tailguard-attempts"] == "2"
+    text = "".join(
+        d["choices"][0]["delta"].get("content") or ""
+        for _, d in parse_sse(response.text)
+        if d != "[DONE]" and d["choices"]
+    )
+    assert text == claude_text(5)
+    assert len(bedrock.requests) == 1 and len(claude.requests) == 1
+
+
+async def test_a_slow_first_token_is_hedged_on_the_other_cloud(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """A Bedrock stream with no content by the deadline is hedged on Anthropic's API; the hedge
+    wins and the Bedrock stream is closed."""
+    bedrock, url = fake
+    async with two_clouds(
+        url,
+        f"{MODEL}@slow_ms=10000",
+        budget={"ttft_ms": 500},
+        on_ttft_miss="hedge",
+        hedge_max_fraction=1.0,
+    ) as (c, _):
+        response = await c.http.post(
+            "/v1/messages",
+            json={
+                "model": "claude",
+                "max_tokens": 50,
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+        await bedrock.wait_for(lambda f: f.streams_abandoned == 1)
+    assert response.status_code == 200
+    assert response.headers["x-tailguard-route"] == "hedge"
+    assert response.headers["x-tailguard-deployment"] == "anthropic/claude-x"
+
+
+async def test_an_exception_after_content_ends_the_stream_with_an_error(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """An exception frame after the first tokens were sent cannot fail over: the client's stream
+    ends with its wire's error event."""
+    _, url = fake
+    async with gateway(config(url, MODEL + "@exception_after=2")) as c:
+        response = await c.http.post(
+            "/v1/messages",
+            json={
+                "model": "claude",
+                "max_tokens": 50,
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+    events = parse_sse(response.text)
+    texts = [d["delta"]["text"] for n, d in events if n == "content_block_delta"]
+    assert "".join(texts) == "Hello from "
+    assert events[-1][0] == "error"
+    assert "modelStreamErrorException" in events[-1][1]["error"]["message"]
+
+
+async def test_a_validation_exception_is_the_clients_400(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """Bedrock's ValidationException (here: a conversation ending on an assistant turn with a
+    non-user first turn is refused by the fake) is a 400 in the client's own wire shape, not
+    retried elsewhere."""
+    bedrock, url = fake
+    body = {"model": "claude", "messages": [{"role": "assistant", "content": "hi"}]}
+    async with gateway(config(url)) as c:
+        chat_answer = await c.http.post("/v1/chat/completions", json=body)
+        messages_answer = await c.http.post("/v1/messages", json={**body, "max_tokens": 5})
+    assert bedrock.refused == ["ValidationException", "ValidationException"]
+    assert chat_answer.status_code == 400 and messages_answer.status_code == 400
+    validate_error("chat", chat_answer.json())
+    validate_error("messages", messages_answer.json())
+    assert "alternate" in chat_answer.json()["error"]["message"]
+
+
+async def test_a_url_image_is_refused_before_sending(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """Converse takes images as bytes only: an image by URL is a 400 naming the field, and
+    nothing is sent; a base64 image is sent as Converse image bytes."""
+    bedrock, url = fake
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    pixel = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+    }
+    async with gateway(config(url)) as c:
+        refused = await c.http.post(
+            "/v1/messages",
+            json={
+                "model": "claude",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": [image]}],
+            },
+        )
+        sent = await c.http.post(
+            "/v1/messages",
+            json={
+                "model": "claude",
+                "max_tokens": 5,
+                "messages": [
+                    {"role": "user", "content": [pixel, {"type": "text", "text": "what?"}]}
+                ],
+            },
+        )
+    assert refused.status_code == 400 and "URL" in refused.json()["error"]["message"]
+    assert sent.status_code == 200, sent.text
+    assert len(bedrock.requests) == 1
+    assert bedrock.requests[0].body["messages"][0]["content"][0] == {
+        "image": {"format": "png", "source": {"bytes": "iVBORw0KGgo="}}
+    }
+
+
+async def test_latency_ms_is_recorded_on_the_attempt_span(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """Bedrock's own `metrics.latencyMs` lands on the attempt's span, streamed and not."""
+    _, url = fake
+    receiver = OTLPReceiver()
+    async with serve(receiver) as otlp:
+        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
+        app = create_app(
+            config(url, MODEL + "@latency_ms=321"), recorder=MemoryRecorder(), environ=environ
+        )
+        async with serve(app) as gw, httpx.AsyncClient(base_url=gw, timeout=TIMEOUT_S) as http:
+            for stream in (False, True):
+                body = {
+                    "model": "claude",
+                    "stream": stream,
+                    "messages": [{"role": "user", "content": "hi"}],
+                }
+                assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        await receiver.wait_for(lambda r: len(r.of_kind("CLIENT")) == 2)
+    attempts = receiver.of_kind("CLIENT")
+    assert [s.attributes[sc.TG_UPSTREAM_LATENCY_MS] for s in attempts] == [321, 321]
+    assert {s.attributes[sc.GEN_AI_PROVIDER_NAME] for s in attempts} == {"aws.bedrock"}
