@@ -40,6 +40,7 @@ from tests.fakes.bedrock_upstream import (
 )
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.schemas import parse_sse, validate, validate_error, validate_stream
+from tests.test_check_config import problems, report, write
 
 ACCESS_KEY = "AKIAFAKEBEDROCK00001"
 SECRET = "fakeSecret/Bedrock+0123456789abcdefSECRET"
@@ -678,3 +679,76 @@ async def test_latency_ms_is_recorded_on_the_attempt_span(
     attempts = receiver.of_kind("CLIENT")
     assert [s.attributes[sc.TG_UPSTREAM_LATENCY_MS] for s in attempts] == [321, 321]
     assert {s.attributes[sc.GEN_AI_PROVIDER_NAME] for s in attempts} == {"aws.bedrock"}
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+_CONFIG = """\
+providers:
+  aws:
+    type: {type}
+{keys}
+models:
+  - name: claude
+    deployments: [{{provider: aws, model: "anthropic.claude-sonnet-4-5-20250929-v1:0"}}]
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys", "expected"),
+    [
+        (
+            "bedrock",
+            "    aws_profile: prod",
+            "providers.aws: region is required for a provider of type 'bedrock' (the AWS region "
+            "the models run in, e.g. us-east-1; it is part of the endpoint and of the SigV4 "
+            "signature)",
+        ),
+        (
+            "bedrock",
+            "    region: us-east1",
+            "providers.aws: region 'us-east1' is not an AWS region name (like us-east-1 or "
+            "eu-west-3)",
+        ),
+        (
+            "bedrock",
+            "    region: us-east-1\n    aws_profile: prod\n    api_key: ABSK-key-0123456789",
+            "providers.aws: api_key (a Bedrock API key, sent as a bearer token) and aws_profile "
+            "(SigV4 with that profile's credentials) are two ways to authenticate: set one",
+        ),
+        (
+            "bedrock",
+            "    region: us-east-1\n    base_url: https://bedrock-runtime.us-east-1.amazonaws.com"
+            "/model/x/converse",
+            "providers.aws: base_url is the endpoint alone (like https://bedrock-runtime.us-east-1"
+            ".amazonaws.com): the gateway adds /model/{model}/converse itself",
+        ),
+        (
+            "bedrock",
+            "    region: us-east-1\n    performance_latency: fast",
+            "providers.aws.performance_latency: Input should be 'standard' or 'optimized'",
+        ),
+        (
+            "anthropic",
+            "    base_url: https://api.anthropic.com\n    region: us-east-1",
+            "providers.aws: region is for providers of type bedrock",
+        ),
+    ],
+    ids=["no-region", "bad-region", "two-auths", "base-url-path", "bad-latency", "not-bedrock"],
+)
+def test_check_config_explains_bedrock_keys(
+    tmp_path: Path, kind: str, keys: str, expected: str
+) -> None:
+    line = 5 if "performance_latency" in expected else 2
+    """`check-config` names the file, line and key, and says what to do."""
+    path = write(tmp_path, _CONFIG.format(type=kind, keys=keys))
+    assert problems(path).strip() == f"error: {path}:{line}: {expected}"
+
+
+def test_the_example_config_is_valid_and_shows_the_implied_endpoint() -> None:
+    """The example passes `check-config`, which shows the endpoint the region implies and the
+    endpoints a Bedrock deployment serves (every LLM wire, none of completions or embeddings)."""
+    explained = report("config/examples/bedrock.yaml")
+    providers = explained["providers"]
+    assert providers["bedrock-east"]["base_url"] == "https://bedrock-runtime.us-east-1.amazonaws.com"
+    assert providers["bedrock-east"]["endpoints"] == ["chat", "messages"]
