@@ -26,6 +26,12 @@ from gateway import semconv as sc
 from gateway.api import create_app
 from gateway.config import build_settings
 from gateway.latency import MemoryRecorder
+from gateway.providers.bedrock_wire import (
+    ConverseStreamTranslator,
+    converse_to_message,
+    messages_to_converse,
+)
+from gateway.providers.translate import TranslationError
 from tests.conftest import run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake
 from tests.fakes.anthropic_upstream import answer_text as claude_text
@@ -750,5 +756,200 @@ def test_the_example_config_is_valid_and_shows_the_implied_endpoint() -> None:
     endpoints a Bedrock deployment serves (every LLM wire, none of completions or embeddings)."""
     explained = report("config/examples/bedrock.yaml")
     providers = explained["providers"]
-    assert providers["bedrock-east"]["base_url"] == "https://bedrock-runtime.us-east-1.amazonaws.com"
+    assert (
+        providers["bedrock-east"]["base_url"] == "https://bedrock-runtime.us-east-1.amazonaws.com"
+    )
     assert providers["bedrock-east"]["endpoints"] == ["chat", "messages"]
+
+
+async def test_credentials_an_error_repeats_are_scrubbed(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """An upstream error that repeats the Authorization header and the session token reaches
+    the client without the token, the signature or the access key id, streamed or not."""
+    bedrock, url = fake
+    async with gateway(config(url, MODEL + "@echo")) as c:
+        answers = [
+            await c.http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "claude",
+                    "stream": stream,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            )
+            for stream in (False, True)
+        ]
+    signature = bedrock.requests[-1].headers["authorization"].rpartition("Signature=")[2]
+    for answer in answers:
+        assert answer.status_code == 400
+        assert "Malformed input" in answer.json()["error"]["message"]
+        for secret in (TOKEN, signature, ACCESS_KEY, SECRET):
+            assert secret not in answer.text
+
+
+async def test_refused_credentials_are_resolved_again(
+    aws_env: Path, fake: tuple[BedrockFake, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Static keys rotated under a running gateway: the first request with the old ones is
+    refused, and the next resolves the chain again and goes through with the new ones."""
+    bedrock, url = fake
+    body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}]}
+    async with gateway(config(url)) as c:
+        assert (await c.http.post("/v1/chat/completions", json=body)).status_code == 200
+        bedrock.credentials = {OTHER_KEY: (OTHER_SECRET, None)}
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", OTHER_KEY)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", OTHER_SECRET)
+        monkeypatch.delenv("AWS_SESSION_TOKEN")
+        refused = await c.http.post("/v1/chat/completions", json=body)
+        again = await c.http.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 502 and again.status_code == 200, again.text
+    assert bedrock.refused == ["UnrecognizedClientException"]
+    assert f"Credential={OTHER_KEY}/" in bedrock.requests[-1].headers["authorization"]
+
+
+async def test_repeated_throttling_cools_bedrock_down(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """Throttled three times in a row, the Bedrock deployment cools down: the next request goes
+    straight to the same model on Anthropic's API, one attempt, Bedrock not called."""
+    bedrock, url = fake
+    body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}]}
+    async with two_clouds(url, f"{MODEL}@throttle") as (c, _):
+        for _ in range(3):
+            failed_over = await c.http.post("/v1/chat/completions", json=body)
+            assert failed_over.headers["x-tailguard-attempts"] == "2"
+        cooled = await c.http.post("/v1/chat/completions", json=body)
+    assert cooled.status_code == 200
+    assert cooled.headers["x-tailguard-attempts"] == "1"
+    assert cooled.headers["x-tailguard-deployment"] == "anthropic/claude-x"
+    assert len(bedrock.requests) == 3
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_guardrail_is_a_content_filter_for_chat_clients(
+    aws_env: Path, fake: tuple[BedrockFake, str], stream: bool
+) -> None:
+    """`guardrail_intervened` is a Messages `refusal`, which chat clients see as
+    `content_filter`."""
+    _, url = fake
+    async with gateway(config(url, MODEL + "@stop=guardrail_intervened")) as c:
+        answer = await chat(c, [{"role": "user", "content": "hi"}], stream)
+    assert answer["finish_reason"] == "content_filter"
+
+
+async def test_a_frame_with_a_bad_crc_fails_the_attempt(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """A frame whose CRC does not match is a garbled upstream, not content: the attempt fails
+    before anything reached the client."""
+    _, url = fake
+    async with gateway(config(url, MODEL + "@corrupt")) as c:
+        response = await c.http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "claude",
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+    assert response.status_code == 502
+    assert "invalid event stream" in response.json()["error"]["message"]
+    assert "Checksum" in response.json()["error"]["message"]
+
+
+# --- translation details -------------------------------------------------------------------------
+
+
+def test_blocks_without_an_end_to_end_script_map_both_ways() -> None:
+    """Documents, redacted thinking, merged turns and a named tool choice go to Converse; a
+    redacted reasoning block and a guardrail stop come back as Messages."""
+    body = {
+        "max_tokens": 10,
+        "messages": [
+            {"role": "user", "content": "first"},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "document",
+                        "title": "Q3 report (final)",
+                        "source": {"type": "text", "media_type": "text/plain", "data": "hi"},
+                    }
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "b3BhcXVl"}]},
+        ],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "tool", "name": "f"},
+        "metadata": {"user_id": "u-1"},
+        "top_k": 5,
+    }
+    converse = messages_to_converse(body)
+    assert converse["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"text": "first"},
+                {
+                    "document": {
+                        "format": "txt",
+                        "name": "Q3 report final",
+                        "source": {"bytes": "aGk="},
+                    }
+                },
+            ],
+        },
+        {"role": "assistant", "content": [{"reasoningContent": {"redactedContent": "b3BhcXVl"}}]},
+    ]
+    assert converse["toolConfig"]["toolChoice"] == {"tool": {"name": "f"}}
+    assert converse["additionalModelRequestFields"] == {"top_k": 5}
+    assert "metadata" not in json.dumps(converse)
+    none = messages_to_converse({**body, "tool_choice": {"type": "none"}})
+    assert "toolChoice" not in none["toolConfig"]
+    with pytest.raises(TranslationError, match="cannot run on Bedrock"):
+        messages_to_converse({**body, "tools": [{"type": "web_search_20250305", "name": "w"}]})
+    answer = {
+        "output": {
+            "message": {
+                "role": "assistant",
+                "content": [{"reasoningContent": {"redactedContent": "eHl6"}}],
+            }
+        },
+        "stopReason": "guardrail_intervened",
+        "usage": {"inputTokens": 3, "outputTokens": 0, "cacheWriteInputTokens": 9},
+    }
+    message = converse_to_message(answer, model="m", message_id="msg_1")
+    assert message["content"] == [{"type": "redacted_thinking", "data": "eHl6"}]
+    assert message["stop_reason"] == "refusal"
+    assert message["usage"] == {
+        "input_tokens": 3,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 9,
+    }
+
+
+def test_a_stream_without_metadata_still_ends_cleanly() -> None:
+    """Usage comes after the stop reason in ConverseStream; a stream that stops without it still
+    gets `message_delta` and `message_stop`, and open blocks are closed first."""
+    translator = ConverseStreamTranslator(model="m", message_id="msg_1")
+    kinds = [k for k, _, _ in translator.event("messageStart", {"role": "assistant"})]
+    kinds += [
+        k
+        for k, _, _ in translator.event(
+            "contentBlockDelta", {"contentBlockIndex": 0, "delta": {"text": "Hi"}}
+        )
+    ]
+    kinds += [k for k, _, _ in translator.event("messageStop", {"stopReason": "max_tokens"})]
+    tail = translator.finish()
+    kinds += [k for k, _, _ in tail]
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert json.loads(tail[1][2])["delta"]["stop_reason"] == "max_tokens"
+    assert translator.complete and translator.finish() == []

@@ -22,7 +22,9 @@ The model id is the script, `anthropic.claude-x-v1:0@directive,...`: `words=N` (
 reasoning block first), `cached=N` (cache reads), `latency_ms=N` (the reported latency),
 `slow_ms=N` (before each delta), `throttle`, `not_ready`, `unavailable` (429/429/503 errors),
 `stream_exception=TYPE` (an exception frame before any content), `exception_after=N` (a
-`modelStreamErrorException` frame after N text deltas).
+`modelStreamErrorException` frame after N text deltas), `echo` (a ValidationException whose
+message repeats the request's `Authorization` and security token), `stop=REASON` (that
+`stopReason`), `corrupt` (a text frame whose payload no longer matches its CRC).
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class Script:
     unavailable: bool = False
     stream_exception: str | None = None
     exception_after: int | None = None
+    stop: str | None = None
+    corrupt: bool = False
 
 
 def parse_script(model: str) -> Script:
@@ -129,10 +133,12 @@ def parse_script(model: str) -> Script:
     _, _, spec = model.partition("@")
     for directive in filter(None, spec.split(",")):
         key, eq, value = directive.partition("=")
+        if key == "echo":
+            continue  # answered by the checks
         if not eq:
             setattr(script, key, True)
-        elif key == "stream_exception":
-            script.stream_exception = value
+        elif key in ("stream_exception", "stop"):
+            setattr(script, key, value)
         else:
             setattr(script, key, float(value) if key == "slow_ms" else int(value))
     return script
@@ -241,6 +247,9 @@ class BedrockFake:
         if not isinstance(body, dict):
             raise RefusedError(400, "SerializationException", "the body is not a JSON object")
         validate(body)
+        if "@echo" in model:  # the worst case: an error that repeats the request's credentials
+            echoed = f"{headers.get('authorization')} {headers.get('x-amz-security-token')}"
+            raise RefusedError(400, "ValidationException", f"Malformed input: {echoed}")
         return model, stream, body
 
     def _authenticate(self, raw_path: str, headers: dict[str, str], raw: bytes) -> None:
@@ -315,7 +324,8 @@ class BedrockFake:
         limit = body.get("inferenceConfig", {}).get("maxTokens", 4096)
         words = min(script.words, limit)
         deltas = [WORDS[i % len(WORDS)] + (" " if i < words - 1 else "") for i in range(words)]
-        return deltas, "max_tokens" if words < script.words else "end_turn", None
+        stop = script.stop or ("max_tokens" if words < script.words else "end_turn")
+        return deltas, stop, None
 
     def _usage(self, script: Script, body: dict[str, Any], output: int) -> dict[str, int]:
         words = sum(len(text.split()) for text in _texts(body))
@@ -392,7 +402,10 @@ class BedrockFake:
             yield None
             # The real stream pads events with a `p` field of filler characters.
             payload = {"contentBlockIndex": index, "delta": {"text": text}, "p": "abcdef"}
-            yield event_frame("contentBlockDelta", payload)
+            frame = event_frame("contentBlockDelta", payload)
+            if script.corrupt:  # a flipped bit: the message CRC no longer matches
+                frame = frame[:-5] + bytes([frame[-5] ^ 1]) + frame[-4:]
+            yield frame
         yield event_frame("contentBlockStop", {"contentBlockIndex": index})
         if tool is not None:
             index += 1
