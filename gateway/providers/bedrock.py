@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final, cast
 from urllib.parse import quote, urlsplit
 
@@ -206,7 +206,7 @@ def bedrock_error(
     body: bytes,
     scrub: Scrubber,
     sigv4: bool,
-    invalidate: Any = None,
+    invalidate: Callable[[], None] | None = None,
 ) -> ProviderError:
     """The gateway's error for a Bedrock error response (its text scrubbed)."""
     kind, message = error_type(headers, body)
