@@ -257,33 +257,40 @@ async def test_chat_tool_round_trip(
 
 
 async def chat(c: Clients, messages: list[Any], stream: bool) -> dict[str, Any]:
-    """One chat answer's message fields and finish reason, validated by the chat schema."""
-    body = {"model": "claude", "messages": messages, "tools": [WEATHER_TOOL], "stream": stream}
-    response = await c.http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
+    """One answer through the OpenAI SDK: its message fields and finish reason, each response
+    or chunk valid by the chat schema (as the wire had it: fields the SDK did not see left out)."""
+    tools: Any = [WEATHER_TOOL]
     if not stream:
-        answer = response.json()
-        validate("chat", "CreateChatCompletionResponse", answer)
-        choice = answer["choices"][0]
-        return {**choice["message"], "finish_reason": choice["finish_reason"]}
-    events = parse_sse(response.text)
-    validate_stream("chat", events)
+        raw = await c.openai.chat.completions.with_raw_response.create(
+            model="claude", messages=messages, tools=tools
+        )
+        validate("chat", "CreateChatCompletionResponse", raw.http_response.json())
+        choice = raw.parse().choices[0]
+        message = choice.message.model_dump(mode="json", exclude_none=True)
+        return {**message, "finish_reason": choice.finish_reason}
+    chunks = [
+        chunk
+        async for chunk in await c.openai.chat.completions.create(
+            model="claude", messages=messages, tools=tools, stream=True
+        )
+    ]
+    validate_stream("chat", [(None, k.model_dump(mode="json", exclude_unset=True)) for k in chunks])
     content, finish = "", None
     calls: dict[int, dict[str, Any]] = {}
-    for _, data in events:
-        if data == "[DONE]" or not data["choices"]:
+    for chunk in chunks:
+        if not chunk.choices:
             continue
-        delta = data["choices"][0]["delta"]
-        content += delta.get("content") or ""
-        for part in delta.get("tool_calls") or ():
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
             call = calls.setdefault(
-                part["index"],
+                part.index,
                 {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
             )
-            call["id"] += part.get("id") or ""
-            call["function"]["name"] += part.get("function", {}).get("name") or ""
-            call["function"]["arguments"] += part.get("function", {}).get("arguments") or ""
-        finish = data["choices"][0].get("finish_reason") or finish
+            call["id"] += part.id or ""
+            call["function"]["name"] += (part.function and part.function.name) or ""
+            call["function"]["arguments"] += (part.function and part.function.arguments) or ""
+        finish = chunk.choices[0].finish_reason or finish
     return {"content": content, "tool_calls": list(calls.values()), "finish_reason": finish}
 
 
@@ -317,10 +324,12 @@ async def respond(c: Clients, body: dict[str, Any], stream: bool) -> Any:
         raw = await c.openai.responses.with_raw_response.create(model="claude", **body)
         validate("responses", "ResponseResource", raw.http_response.json())
         return raw.parse()
-    async with c.openai.responses.stream(model="claude", **body) as events:
-        async for _ in events:
-            pass
-        return await events.get_final_response()
+    events = [e async for e in await c.openai.responses.create(model="claude", stream=True, **body)]
+    validate_stream(
+        "responses", [(e.type, e.model_dump(mode="json", exclude_unset=True)) for e in events]
+    )
+    (done,) = [e for e in events if e.type == "response.completed"]
+    return done.response
 
 
 async def test_anthropic_sdk_tool_round_trip_streamed(
