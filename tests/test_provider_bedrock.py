@@ -618,9 +618,8 @@ async def test_an_exception_after_content_ends_the_stream_with_an_error(
 async def test_a_validation_exception_is_the_clients_400(
     aws_env: Path, fake: tuple[BedrockFake, str]
 ) -> None:
-    """Bedrock's ValidationException (here: a conversation ending on an assistant turn with a
-    non-user first turn is refused by the fake) is a 400 in the client's own wire shape, not
-    retried elsewhere."""
+    """Bedrock's ValidationException (here: a conversation that opens with an assistant turn)
+    is a 400 in the client's own wire shape, not retried elsewhere."""
     bedrock, url = fake
     body = {"model": "claude", "messages": [{"role": "assistant", "content": "hi"}]}
     async with gateway(config(url)) as c:
