@@ -151,13 +151,9 @@ class BedrockProvider:
     def _converse_body(self, deployment: str, request: UpstreamRequest) -> tuple[bytes, str]:
         parsed = orjson.loads(request.body)
         model = parsed.get("model")
-        betas = [
-            beta.strip()
-            for value in (request.headers.get("anthropic-beta"),)
-            if value
-            for beta in value.split(",")
-            if beta.strip()
-        ]
+        # Claude on Bedrock takes its betas in the body, not as a header.
+        header = request.headers.get("anthropic-beta", "")
+        betas = [beta.strip() for beta in header.split(",") if beta.strip()]
         try:
             converse = messages_to_converse(parsed, latency=self._latency, betas=betas)
         except TranslationError as exc:
