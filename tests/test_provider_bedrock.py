@@ -961,3 +961,23 @@ def test_a_stream_without_metadata_still_ends_cleanly() -> None:
     ]
     assert json.loads(tail[1][2])["delta"]["stop_reason"] == "max_tokens"
     assert translator.complete and translator.finish() == []
+
+
+async def test_the_idle_timeout_applies_to_event_streams(
+    aws_env: Path, fake: tuple[BedrockFake, str]
+) -> None:
+    """A ConverseStream that sends its start and then nothing for `stream_idle_timeout_ms` is
+    given up on like any stream (a 504 here, with nowhere to fail over), and closed upstream."""
+    bedrock, url = fake
+    settings = config(url, MODEL + "@slow_ms=20000", stream_idle_timeout_ms=300)
+    async with gateway(settings) as c:
+        response = await c.http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "claude",
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+        await bedrock.wait_for(lambda f: f.streams_abandoned == 1)
+    assert response.status_code == 504, response.text
