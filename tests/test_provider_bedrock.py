@@ -42,6 +42,7 @@ from tests.fakes.bedrock_upstream import (
     TOOL_INPUT,
     TOOL_TEXT,
     BedrockFake,
+    StsFake,
     answer_text,
 )
 from tests.fakes.otlp_receiver import OTLPReceiver
@@ -981,3 +982,35 @@ async def test_the_idle_timeout_applies_to_event_streams(
         )
         await bedrock.wait_for(lambda f: f.streams_abandoned == 1)
     assert response.status_code == 504, response.text
+
+
+async def test_credentials_from_web_identity(
+    aws_env: Path, fake: tuple[BedrockFake, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no keys in the environment or files, the chain reaches web identity (as on EKS):
+    botocore trades the token file for temporary credentials at STS (a fake here), and the
+    requests are signed with them."""
+    bedrock, url = fake
+    role = "arn:aws:iam::123456789012:role/bedrock"
+    issued = (
+        "ASIAFAKEWEBIDENTITY1",
+        "webSecret/Bedrock+0123456789abcdef",
+        "web-session-0123456789",
+    )
+    sts = StsFake(role_arn=role, web_token="eyJ.fake-oidc.token", issued=issued)
+    bedrock.credentials[issued[0]] = (issued[1], issued[2])
+    (aws_env / "token").write_text(sts.web_token)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+    async with serve(sts) as sts_url:
+        monkeypatch.setenv("AWS_ROLE_ARN", role)
+        monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(aws_env / "token"))
+        monkeypatch.setenv("AWS_ENDPOINT_URL_STS", sts_url)
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}]}
+        async with gateway(config(url)) as c:
+            answer = await c.http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert sts.calls == 1
+    assert f"Credential={issued[0]}/" in bedrock.requests[-1].headers["authorization"]
+    assert bedrock.requests[-1].headers["x-amz-security-token"] == issued[2]

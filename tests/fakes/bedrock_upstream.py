@@ -39,7 +39,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Final
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 import orjson
 from botocore.auth import SigV4Auth
@@ -526,3 +526,64 @@ async def _pause(ms: float, gone: asyncio.Event) -> None:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(ms / 1000):
             await gone.wait()
+
+
+@dataclass
+class StsFake:
+    """AWS STS's `AssumeRoleWithWebIdentity` (query protocol: a form POST, an XML answer), for
+    the web identity link of the credential chain: it checks the role and the token it is sent
+    and issues the given temporary credentials."""
+
+    role_arn: str
+    web_token: str
+    issued: tuple[str, str, str]  # access key, secret, session token
+    calls: int = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        raw = bytearray()
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        form = dict(parse_qsl(raw.decode()))
+        ok = (
+            form.get("Action") == "AssumeRoleWithWebIdentity"
+            and form.get("RoleArn") == self.role_arn
+            and form.get("WebIdentityToken") == self.web_token
+        )
+        self.calls += 1
+        key, secret, token = self.issued
+        expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+        body = (
+            (
+                '<AssumeRoleWithWebIdentityResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
+                "<AssumeRoleWithWebIdentityResult><Credentials>"
+                f"<AccessKeyId>{key}</AccessKeyId><SecretAccessKey>{secret}</SecretAccessKey>"
+                f"<SessionToken>{token}</SessionToken>"
+                f"<Expiration>{expiry.strftime('%Y-%m-%dT%H:%M:%SZ')}</Expiration>"
+                "</Credentials><AssumedRoleUser>"
+                "<Arn>arn:aws:sts::123456789012:assumed-role/bedrock/test</Arn>"
+                "<AssumedRoleId>AROAFAKE:test</AssumedRoleId></AssumedRoleUser>"
+                "</AssumeRoleWithWebIdentityResult>"
+                "<ResponseMetadata><RequestId>sts-fake-1</RequestId></ResponseMetadata>"
+                "</AssumeRoleWithWebIdentityResponse>"
+            )
+            if ok
+            else (
+                '<ErrorResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/"><Error>'
+                "<Type>Sender</Type><Code>InvalidIdentityToken</Code>"
+                "<Message>Couldn't retrieve verification key</Message></Error>"
+                "<RequestId>sts-fake-2</RequestId></ErrorResponse>"
+            )
+        ).encode()
+        headers = [(b"content-type", b"text/xml"), (b"content-length", str(len(body)).encode())]
+        await send(
+            {"type": "http.response.start", "status": 200 if ok else 400, "headers": headers}
+        )
+        await send({"type": "http.response.body", "body": body})
