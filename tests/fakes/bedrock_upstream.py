@@ -25,6 +25,8 @@ reasoning block first), `cached=N` (cache reads), `latency_ms=N` (the reported l
 `modelStreamErrorException` frame after N text deltas), `echo` (a ValidationException whose
 message repeats the request's `Authorization` and security token), `stop=REASON` (that
 `stopReason`), `corrupt` (a text frame whose payload no longer matches its CRC).
+
+`StsFake` is STS's `AssumeRoleWithWebIdentity`, for the web identity link of the chain.
 """
 
 from __future__ import annotations
