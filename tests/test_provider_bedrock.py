@@ -914,8 +914,37 @@ def test_blocks_without_an_end_to_end_script_map_both_ways() -> None:
     assert converse["toolConfig"]["toolChoice"] == {"tool": {"name": "f"}}
     assert converse["additionalModelRequestFields"] == {"top_k": 5}
     assert "metadata" not in json.dumps(converse)
+    # `none`: no tools at all, unless earlier turns used them (Converse then needs them).
     none = messages_to_converse({**body, "tool_choice": {"type": "none"}})
-    assert "toolChoice" not in none["toolConfig"]
+    assert "toolConfig" not in none
+    used = {
+        **body,
+        "tool_choice": {"type": "none"},
+        "messages": [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [
+                            {"type": "text", "text": "ok", "cache_control": {"type": "ephemeral"}}
+                        ],
+                    }
+                ],
+            },
+        ],
+    }
+    kept = messages_to_converse(used)
+    assert "toolChoice" not in kept["toolConfig"] and kept["toolConfig"]["tools"]
+    assert kept["messages"][1]["content"] == [
+        {"toolResult": {"toolUseId": "t1", "content": [{"text": "ok"}]}},
+        {"cachePoint": {"type": "default"}},
+    ]
     with pytest.raises(TranslationError, match="cannot run on Bedrock"):
         messages_to_converse({**body, "tools": [{"type": "web_search_20250305", "name": "w"}]})
     answer = {

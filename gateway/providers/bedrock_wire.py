@@ -76,7 +76,7 @@ def messages_to_converse(
     if inference:
         out["inferenceConfig"] = inference
     tools = _tool_config(body.get("tools"), body.get("tool_choice"))
-    if tools is not None:
+    if tools is not None and not (_choice_none(body) and not _uses_tools(out["messages"])):
         out["toolConfig"] = tools
     extra = {key: body[key] for key in _PASSED_FIELDS if body.get(key) is not None}
     if betas:
@@ -135,8 +135,16 @@ def _content(content: object, param: str) -> Iterator[dict[str, Any]]:
         converted = _block(block, param)
         if converted is not None:
             yield converted
-        if block.get("cache_control"):
+        if block.get("cache_control") or _nested_cache_control(block):
             yield _CACHE_POINT
+
+
+def _nested_cache_control(block: dict[str, Any]) -> bool:
+    """A tool result's own blocks may carry the mark; Converse's point goes after the result."""
+    nested = block.get("content") if block.get("type") == "tool_result" else None
+    return isinstance(nested, list) and any(
+        isinstance(part, dict) and part.get("cache_control") for part in nested
+    )
 
 
 def _block(block: dict[str, Any], param: str) -> dict[str, Any] | None:
@@ -248,8 +256,22 @@ def _tool_config(tools: object, choice: object) -> dict[str, Any] | None:
         config["toolChoice"] = {kind: {}}
     elif kind == "tool" and isinstance(choice, dict):
         config["toolChoice"] = {"tool": {"name": choice.get("name")}}
-    # `none` has no Converse form: the tools stay declared (earlier turns may use them).
+    # `none` has no Converse form: the tools are left out, unless earlier turns used them
+    # (Converse then requires them declared, and the model may call one).
     return config
+
+
+def _choice_none(body: dict[str, Any]) -> bool:
+    choice = body.get("tool_choice")
+    return isinstance(choice, dict) and choice.get("type") == "none"
+
+
+def _uses_tools(messages: list[dict[str, Any]]) -> bool:
+    return any(
+        "toolUse" in block or "toolResult" in block
+        for message in messages
+        for block in message["content"]
+    )
 
 
 # --- responses -----------------------------------------------------------------------------------
