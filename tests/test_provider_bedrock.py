@@ -1043,3 +1043,22 @@ async def test_credentials_from_web_identity(
     assert sts.calls == 1
     assert f"Credential={issued[0]}/" in bedrock.requests[-1].headers["authorization"]
     assert bedrock.requests[-1].headers["x-amz-security-token"] == issued[2]
+
+
+async def test_missing_credentials_are_explained(
+    aws_env: Path, fake: tuple[BedrockFake, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile that does not exist, or a chain that finds nothing, fails the attempt with a
+    message saying so, before anything is sent."""
+    bedrock, url = fake
+    body = {"model": "claude", "messages": [{"role": "user", "content": "hi"}]}
+    async with gateway(config(url, aws_profile="missing")) as c:
+        no_profile = await c.http.post("/v1/chat/completions", json=body)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+    async with gateway(config(url)) as c:
+        nothing = await c.http.post("/v1/chat/completions", json=body)
+    assert no_profile.status_code == nothing.status_code == 502
+    assert "profile (missing) could not be found" in no_profile.json()["error"]["message"]
+    assert "no AWS credentials found" in nothing.json()["error"]["message"]
+    assert bedrock.requests == []
