@@ -38,6 +38,7 @@ class Usage:
     output_tokens: int | None = None
     cached_tokens: int | None = None  # of the input tokens, read from the upstream's prompt cache
     cache_write_tokens: int | None = None  # of the input tokens, written to its prompt cache
+    upstream_latency_ms: int | None = None  # the upstream's own timing of it (Bedrock's latencyMs)
 
 
 @dataclass(slots=True)

@@ -442,7 +442,7 @@ models:
         (
             {"TAILGUARD_PROVIDERS": '{"sim": {"type": "simulted"}}'},
             "error: TAILGUARD_PROVIDERS: providers.sim.type: Input should be 'openai', 'vllm', "
-            "'anthropic' or 'simulated'",
+            "'anthropic', 'simulated' or 'bedrock'",
         ),
         (
             {"TAILGUARD_PROVIDERS__SIM__API_KEYY": "sk-SECRET-9"},

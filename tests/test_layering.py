@@ -32,7 +32,14 @@ LIBRARY_OWNERS = {
     },
     "httptools": {"gateway.server.protocol", "gateway.tools.load"},
     "httpx": set(),
-    "aiohttp": {"gateway.providers.http", "gateway.providers.vllm", "gateway.tools.probe"},
+    "aiohttp": {
+        "gateway.providers.http",
+        "gateway.providers.vllm",
+        "gateway.providers.bedrock",
+        "gateway.tools.probe",
+    },
+    "botocore": {"gateway.providers.bedrock", "gateway.providers.bedrock_auth"},
+    "yarl": {"gateway.providers.bedrock"},  # a path sent as encoded, untouched
     "redis": {
         "gateway.redis",
         "gateway.latency.redis_store",

@@ -22,6 +22,7 @@ from gateway.cli.common import (
     without_userinfo,
 )
 from gateway.config import Settings, config_path
+from gateway.config.cloud_bedrock import shown_base_url
 from gateway.models import Endpoint
 
 
@@ -60,7 +61,9 @@ def check_config(
         providers.add_column(column)
     for name, spec in settings.providers.items():
         key = "set (hidden)" if spec.api_key and spec.api_key.get_secret_value() else "-"
-        providers.add_row(escape(name), spec.type, escape(without_userinfo(spec.base_url)), key)
+        providers.add_row(
+            escape(name), spec.type, escape(without_userinfo(shown_base_url(spec))), key
+        )
     models = Table(title="Models", title_justify="left")
     for column in ("model", "deployments", "budget", "fallbacks", "on_ttft_miss"):
         models.add_column(column)
@@ -205,7 +208,7 @@ def _explain(settings: Settings, path: Path) -> dict[str, Any]:
         "providers": {
             name: {
                 "type": spec.type,
-                "base_url": None if spec.base_url is None else redact_url(spec.base_url),
+                "base_url": _shown(shown_base_url(spec)),
                 "api_key": "set" if spec.api_key and spec.api_key.get_secret_value() else "not set",
                 "headers": sorted(spec.headers),  # names only: the values are secrets
                 "endpoints": [e for e in _ENDPOINTS if can_serve(providers[name], e)],
@@ -219,6 +222,10 @@ def _explain(settings: Settings, path: Path) -> dict[str, Any]:
             "summary": auth_summary(settings),
         },
     }
+
+
+def _shown(url: str | None) -> str | None:
+    return None if url is None else redact_url(url)
 
 
 def _explain_tables(report: dict[str, Any]) -> list[Table]:

@@ -11,13 +11,14 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from gateway.config.cloud_bedrock import check_bedrock, refuse_bedrock_keys
 from gateway.sim.profile import SimProfile
 
 DEFAULT_CONFIG_PATH = "config/gateway.yaml"
 CONFIG_PATH_ENV = "TAILGUARD_CONFIG"
 LOG_LEVEL_ENV = "TAILGUARD_LOG_LEVEL"  # how `serve --workers N` passes --log-level on
 
-ProviderType = Literal["openai", "vllm", "anthropic", "simulated"]
+ProviderType = Literal["openai", "vllm", "anthropic", "simulated", "bedrock"]
 Priority = Literal["interactive", "bulk"]
 OnTTFTMiss = Literal["failover", "hedge", "none"]
 OnTotalMiss = Literal["finish", "cut"]
@@ -114,11 +115,14 @@ class ProviderSpec(_Spec):
     """An upstream endpoint plus its credentials and limits."""
 
     type: ProviderType
-    """`openai`, `vllm`, `anthropic` or `simulated` (in-process)."""
+    """`openai`, `vllm`, `anthropic`, `bedrock` (AWS Bedrock's Converse API) or `simulated`
+    (in-process)."""
     base_url: str | None = None
-    """OpenAI-compatible: include `/v1`; Anthropic: without. Absent for `simulated`."""
+    """OpenAI-compatible: include `/v1`; Anthropic: without. Absent for `simulated`; optional for
+    `bedrock` (default: `https://bedrock-runtime.{region}.amazonaws.com`)."""
     api_key: SecretStr | None = None
-    """The upstream's credential (use `${VAR}`)."""
+    """The upstream's credential (use `${VAR}`). For `bedrock`, a Bedrock API key (sent as a
+    bearer token instead of a SigV4 signature)."""
     headers: dict[str, SecretStr] = Field(
         default_factory=dict, description="Extra headers sent upstream (values are secrets)."
     )
@@ -179,6 +183,17 @@ class ProviderSpec(_Spec):
     """simulated only: the profile of a model not named in `profiles`."""
     seed: int | None = None
     """simulated only: makes runs reproducible."""
+    # bedrock only
+    region: str | None = None
+    """bedrock only (required): the AWS region, e.g. `us-east-1`; part of the endpoint and of
+    the SigV4 signature. A deployment's `model` is the Bedrock model or inference profile id."""
+    aws_profile: str | None = None
+    """bedrock only: the shared config/credentials profile to sign with (default: the standard
+    AWS credential chain: environment, `AWS_PROFILE`, web identity, container or instance
+    metadata). Not with `api_key`."""
+    performance_latency: Literal["standard", "optimized"] | None = None
+    """bedrock only: `performanceConfig.latency` of every request: `optimized` asks for
+    Bedrock's latency-optimized inference (on the models and regions that have it)."""
 
     @model_validator(mode="after")
     def _check_kind(self) -> ProviderSpec:
@@ -188,6 +203,10 @@ class ProviderSpec(_Spec):
             raise ValueError("responses: native is for providers of type openai")
         if self.metrics_url is not None and self.type != "vllm":
             raise ValueError("metrics_url is for providers of type vllm")
+        if self.type == "bedrock":
+            check_bedrock(self)
+            return self
+        refuse_bedrock_keys(self)
         if self.type == "simulated":
             if self.base_url is not None:
                 raise ValueError("a simulated provider runs in-process and takes no base_url")

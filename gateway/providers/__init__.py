@@ -18,6 +18,12 @@ async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str,
     for name, spec in settings.providers.items():
         if spec.type == "simulated":
             providers[name] = SimulatedProvider(name, spec)
+        elif spec.type == "bedrock":
+            from gateway.providers.bedrock import BedrockProvider
+
+            session = make_session(spec)
+            stack.push_async_callback(session.close)
+            providers[name] = BedrockProvider(name, spec, session)
         else:
             session = make_session(spec)
             stack.push_async_callback(session.close)

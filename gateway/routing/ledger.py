@@ -53,6 +53,7 @@ class AttemptTracer(Protocol):
         response_model: str | None = None,
         cache_read_tokens: int | None = None,
         cache_write_tokens: int | None = None,
+        upstream_latency_ms: int | None = None,
     ) -> None: ...
 
 
@@ -115,6 +116,8 @@ class Tally:
                 self.usage.cached_tokens = chunk.usage.cached_tokens
             if chunk.usage.cache_write_tokens is not None:
                 self.usage.cache_write_tokens = chunk.usage.cache_write_tokens
+            if chunk.usage.upstream_latency_ms is not None:
+                self.usage.upstream_latency_ms = chunk.usage.upstream_latency_ms
         if chunk.finish_reason is not None and len(self.finish_reasons) < MAX_FINISH_REASONS:
             self.finish_reasons.append(chunk.finish_reason)  # one per choice; bounded whatever
 
@@ -445,6 +448,7 @@ class Ledger:
                     response_model=opened.candidate.deployment.model,
                     cache_read_tokens=tally.usage.cached_tokens,
                     cache_write_tokens=tally.usage.cache_write_tokens,
+                    upstream_latency_ms=tally.usage.upstream_latency_ms,
                 )
             live.claims.release()
         finally:

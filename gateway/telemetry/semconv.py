@@ -48,6 +48,8 @@ TG_BUDGET_TTFT_MS: Final = "tailguard.budget.ttft_ms"
 TG_BUDGET_TOTAL_MS: Final = "tailguard.budget.total_ms"
 TG_TTFT_MS: Final = "tailguard.ttft_ms"
 TG_OVERHEAD_MS: Final = "tailguard.overhead_ms"
+# The upstream's own measure of an attempt's processing (Bedrock's `metrics.latencyMs`).
+TG_UPSTREAM_LATENCY_MS: Final = "tailguard.upstream.latency_ms"
 # Whether the request met each budget it had (absent: it had none, or was not judged).
 TG_SLO_TTFT_MET: Final = "tailguard.slo.ttft_met"
 TG_SLO_TOTAL_MET: Final = "tailguard.slo.total_met"

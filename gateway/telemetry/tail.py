@@ -261,6 +261,7 @@ def ended_attempt_attributes(
     response_model: str | None = None,
     cache_read_tokens: int | None = None,
     cache_write_tokens: int | None = None,
+    upstream_latency_ms: int | None = None,
 ) -> dict[str, Any]:
     """How an attempt ended and what the upstream reported (a count it did not report is left
     out; the cache counts are part of `input_tokens`)."""
@@ -275,6 +276,8 @@ def ended_attempt_attributes(
         attributes[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = cache_read_tokens
     if cache_write_tokens is not None:
         attributes[sc.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS] = cache_write_tokens
+    if upstream_latency_ms is not None:
+        attributes[sc.TG_UPSTREAM_LATENCY_MS] = upstream_latency_ms
     if finish_reasons:
         # The upstream's words: a few, each bounded (and a string, whatever it sent).
         attributes[sc.GEN_AI_RESPONSE_FINISH_REASONS] = [
