@@ -22,7 +22,6 @@ import httpx
 import openai
 import pytest
 
-from gateway import semconv as sc
 from gateway.api import create_app
 from gateway.config import build_settings
 from gateway.latency import MemoryRecorder
@@ -32,6 +31,7 @@ from gateway.providers.bedrock_wire import (
     messages_to_converse,
 )
 from gateway.providers.translate import TranslationError
+from gateway.telemetry import semconv as sc
 from tests.conftest import run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake
 from tests.fakes.anthropic_upstream import answer_text as claude_text
