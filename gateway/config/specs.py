@@ -11,13 +11,14 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from gateway.config.cloud_azure import azure_keys_set, check_azure
 from gateway.sim.profile import SimProfile
 
 DEFAULT_CONFIG_PATH = "config/gateway.yaml"
 CONFIG_PATH_ENV = "TAILGUARD_CONFIG"
 LOG_LEVEL_ENV = "TAILGUARD_LOG_LEVEL"  # how `serve --workers N` passes --log-level on
 
-ProviderType = Literal["openai", "vllm", "anthropic", "simulated"]
+ProviderType = Literal["openai", "vllm", "anthropic", "azure", "simulated"]
 Priority = Literal["interactive", "bulk"]
 OnTTFTMiss = Literal["failover", "hedge", "none"]
 OnTotalMiss = Literal["finish", "cut"]
@@ -114,11 +115,12 @@ class ProviderSpec(_Spec):
     """An upstream endpoint plus its credentials and limits."""
 
     type: ProviderType
-    """`openai`, `vllm`, `anthropic` or `simulated` (in-process)."""
+    """`openai`, `vllm`, `anthropic`, `azure` (Azure OpenAI) or `simulated` (in-process)."""
     base_url: str | None = None
-    """OpenAI-compatible: include `/v1`; Anthropic: without. Absent for `simulated`."""
+    """OpenAI-compatible: include `/v1`; Anthropic: without; Azure: the resource's root,
+    `https://<resource>.openai.azure.com`. Absent for `simulated`."""
     api_key: SecretStr | None = None
-    """The upstream's credential (use `${VAR}`)."""
+    """The upstream's credential (use `${VAR}`); Azure sends it as `api-key`."""
     headers: dict[str, SecretStr] = Field(
         default_factory=dict, description="Extra headers sent upstream (values are secrets)."
     )
@@ -179,13 +181,29 @@ class ProviderSpec(_Spec):
     """simulated only: the profile of a model not named in `profiles`."""
     seed: int | None = None
     """simulated only: makes runs reproducible."""
+    # azure only
+    api_version: str | None = None
+    """azure only: `v1` (the `/openai/v1/` paths, the deployment named in the body) or a dated
+    version such as `2024-10-21` (`/openai/deployments/{deployment}/...?api-version=`). A
+    deployment's `model` is the Azure deployment's name."""
+    azure_ad_token: SecretStr | None = None
+    """azure only: an Entra ID access token sent as `Authorization: Bearer` (use `${VAR}`),
+    instead of `api_key`."""
+    azure_ad_token_file: str | None = None
+    """azure only: a file holding an Entra ID access token, read again whenever it changes
+    (a token rotated on disk is used from the next request on), instead of `api_key`."""
+    content_filter_failover: bool = False
+    """azure only: a request refused by Azure's content filter (400, code `content_filter`) is
+    tried on the model's other deployments instead of being answered with that refusal."""
 
     @model_validator(mode="after")
     def _check_kind(self) -> ProviderSpec:
         if self.bulk_priority is not None and self.type != "vllm":
             raise ValueError("bulk_priority is for providers of type vllm")
-        if self.responses == "native" and self.type != "openai":
-            raise ValueError("responses: native is for providers of type openai")
+        if self.responses == "native" and self.type not in ("openai", "azure"):
+            raise ValueError("responses: native is for providers of type openai or azure")
+        if self.type == "azure" or azure_keys_set(self):
+            check_azure(self)
         if self.metrics_url is not None and self.type != "vllm":
             raise ValueError("metrics_url is for providers of type vllm")
         if self.type == "simulated":
