@@ -6,9 +6,14 @@ and answers with Azure's filter results; both run on loopback in the test's loop
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -20,7 +25,10 @@ from openai.types.chat import ChatCompletionToolParam
 from openai.types.responses import FunctionToolParam, Response, ResponseFunctionToolCall
 from openai.types.responses.response_input_param import FunctionCallOutput
 
-from tests.conftest import Gateway, gateway_settings, run_gateway, serve
+from gateway.sim.engine import SimEngine
+from gateway.sim.profile import SimProfile
+from gateway.sim.server import create_sim_app
+from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.azure_upstream import AFTER_TOOL_TEXT, WORDS, AzureFake
 from tests.schemas import SchemaWire, parse_sse, validate, validate_stream
 from tests.timing import scaled
@@ -386,3 +394,242 @@ def _final(wire: str, events: list[tuple[str | None, Any]]) -> dict[str, Any]:
         d["response"] for d in data if d["type"] in ("response.completed", "response.incomplete")
     ]
     return dict(done)
+
+
+# --- credentials ---------------------------------------------------------------------------------
+
+
+def rotate(path: Path, token: str, *, in_place: bool = False) -> None:
+    """Write a new token as a rotation does: a new file renamed over the old one (a projected
+    volume's swap), or the same file rewritten."""
+    if in_place:
+        path.write_text(token + "\n")
+        return
+    fresh = path.with_suffix(".new")
+    fresh.write_text(token + "\n")
+    os.replace(fresh, path)
+
+
+async def test_a_token_rotated_on_disk_is_used_without_failing_a_request(
+    fake: tuple[AzureFake, str], tmp_path: Path
+) -> None:
+    """`azure_ad_token_file`: each rotation (by rename, or rewritten in place) is used from the
+    next request on, while Azure accepts only the newest token."""
+    upstream, url = fake
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    spec = {
+        "type": "azure",
+        "base_url": url,
+        "api_version": VERSION,
+        "azure_ad_token_file": str(path),
+    }
+    third = ROTATED + "-and-again"
+    async with gateway({"az": spec}, model("gpt", "az/gpt-4o-prod")) as clients:
+        for token, in_place in ((TOKEN, False), (ROTATED, False), (third, True)):
+            rotate(path, token, in_place=in_place)
+            upstream.tokens = {token}  # the old token is refused from now on
+            for stream in (False, True):
+                response = await clients.http.post(
+                    "/v1/chat/completions",
+                    json={"model": "gpt", "messages": [{"role": "user", "content": "hi"}]}
+                    | {"stream": stream},
+                )
+                assert response.status_code == 200, response.text
+    assert upstream.refused == []
+    sent = [r.headers["authorization"] for r in upstream.requests]
+    assert sent == [f"Bearer {t}" for t in (TOKEN, TOKEN, ROTATED, ROTATED, third, third)]
+
+
+async def test_an_unreadable_token_file_fails_over_and_says_why(
+    fake: tuple[AzureFake, str], tmp_path: Path
+) -> None:
+    upstream, url = fake
+    spec = {
+        "type": "azure",
+        "base_url": url,
+        "api_version": VERSION,
+        "azure_ad_token_file": str(tmp_path / "missing"),
+    }
+    async with gateway(
+        {"az": spec, "good": azure(url)}, model("gpt", "az/gpt-4o-east", "good/gpt-4o-west")
+    ) as clients:
+        served = await clients.http.post(
+            "/v1/chat/completions",
+            json={"model": "gpt", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert served.status_code == 200
+        assert served.headers["x-tailguard-deployment"] == "good/gpt-4o-west"
+        alone = model("solo", "az/gpt-4o-east")
+    async with gateway({"az": spec}, alone) as clients:
+        failed = await clients.http.post(
+            "/v1/chat/completions",
+            json={"model": "solo", "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert failed.status_code == 502
+    assert (
+        "cannot read azure_ad_token_file (FileNotFoundError)" in failed.json()["error"]["message"]
+    )
+    assert upstream.served("gpt-4o-east") == 0
+
+
+@pytest.mark.parametrize("auth", ["api_key", "azure_ad_token"])
+async def test_rejected_credentials_never_show_in_errors_logs_or_admin(
+    fake: tuple[AzureFake, str], caplog: pytest.LogCaptureFixture, auth: str
+) -> None:
+    """Azure's 401 body echoes the credential it was given: the client's error, the log and
+    `/admin` carry neither it nor the configured one."""
+    upstream, url = fake
+    wrong = "azure-WRONG-credential-5f3c2a9b7d1e4f60"
+    spec = {"type": "azure", "base_url": url, "api_version": VERSION, auth: wrong}
+    caplog.set_level(logging.DEBUG)
+    async with gateway({"az": spec}, model("gpt", "az/gpt-4o-prod")) as clients:
+        bodies = []
+        for path, body in WIRES.values():
+            for stream in (False, True):
+                response = await clients.http.post(
+                    path, json={**body, "model": "gpt", "stream": stream}
+                )
+                assert response.status_code == 502
+                bodies.append(response.text)
+        for path in ("/admin/latency", "/readyz", "/metrics", "/admin/config"):
+            bodies.append((await clients.http.get(path)).text)
+    assert upstream.refused and set(upstream.refused) == {401}
+    assert "credentials (401)" in bodies[0]
+    seen = "\n".join(bodies) + caplog.text
+    assert wrong not in seen and wrong[:20] not in seen
+
+
+# --- content filter, throttling, failover --------------------------------------------------------
+
+
+def chat_body(name: str) -> dict[str, Any]:
+    return {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_a_content_filter_refusal_is_the_answer_and_not_failed_over(
+    fake: tuple[AzureFake, str],
+) -> None:
+    """A 400 `content_filter` is the client's answer, in each wire's error shape; the model's
+    other deployment is not tried, and the refusing one does not cool down."""
+    upstream, url = fake
+    models = model("gpt", "az/filtered-east", "az/gpt-4o-west")
+    async with gateway({"az": azure(url)}, models) as clients:
+        for _ in range(4):
+            refused = await clients.http.post("/v1/chat/completions", json=chat_body("gpt"))
+            assert refused.status_code == 400
+            error = refused.json()["error"]
+            assert (
+                error["code"] == "content_filter"
+                and "content management policy" in error["message"]
+            )
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await clients.messages.messages.create(
+                model="gpt", max_tokens=10, messages=[{"role": "user", "content": "hi"}]
+            )
+        latency = (await clients.http.get("/admin/latency")).json()
+    assert caught.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert upstream.served("filtered-east") == 5 and upstream.served("gpt-4o-west") == 0
+    assert latency["deployments"].get("az/filtered-east", {}).get("cooldown_until") is None
+
+
+async def test_content_filter_failover_tries_the_other_deployments(
+    fake: tuple[AzureFake, str],
+) -> None:
+    """`content_filter_failover: true`: the refusal sends the request to the next deployment
+    (without cooling the refusing one down); refused everywhere, the refusal is the answer."""
+    upstream, url = fake
+    spec = azure(url, content_filter_failover=True)
+    models = (
+        model("gpt", "az/filtered-east", "az/gpt-4o-west"),
+        model("strict", "az/filtered-a", "az/filtered-b"),
+    )
+    async with gateway({"az": spec}, *models) as clients:
+        for _ in range(4):
+            served = await clients.http.post("/v1/chat/completions", json=chat_body("gpt"))
+            assert served.status_code == 200
+            assert served.headers["x-tailguard-deployment"] == "az/gpt-4o-west"
+            assert served.headers["x-tailguard-attempts"] == "2"
+        refused = await clients.http.post("/v1/chat/completions", json=chat_body("strict"))
+        latency = (await clients.http.get("/admin/latency")).json()
+    assert upstream.served("filtered-east") == 4  # tried first every time: never cooling down
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "content_filter"
+    assert upstream.served("filtered-a") == upstream.served("filtered-b") == 1
+    assert not any(d.get("cooldown_until") for d in latency["deployments"].values())
+
+
+async def test_a_429_with_retry_after_ms_fails_over_and_cools_down(
+    fake: tuple[AzureFake, str],
+) -> None:
+    """Azure's 429 (`retry-after-ms: 30000`): the request is served by the other deployment and
+    the throttled one is left alone for the 30 s it asked."""
+    upstream, url = fake
+    async with gateway({"az": azure(url)}, model("gpt", "az/busy-east", "az/gpt-4o-west")) as c:
+        for _ in range(3):
+            served = await c.http.post("/v1/chat/completions", json=chat_body("gpt"))
+            assert served.status_code == 200
+            assert served.headers["x-tailguard-deployment"] == "az/gpt-4o-west"
+        latency = (await c.http.get("/admin/latency")).json()
+    assert upstream.served("busy-east") == 1  # cooling down after its 429
+    left = latency["deployments"]["az/busy-east"]["cooldown_until"] - time.time()
+    assert 25 < left <= 30
+
+
+# --- the same model on Azure and on OpenAI -------------------------------------------------------
+
+
+@asynccontextmanager
+async def openai_upstream() -> AsyncIterator[Upstream]:
+    """The simulated OpenAI-compatible server (`m@key=value` scripts it)."""
+    engine = SimEngine({}, SimProfile(output_tokens=5), seed=1)
+    async with serve(create_sim_app(engine)) as url:
+        yield Upstream(engine, url)
+
+
+async def test_azure_and_openai_deployments_fail_over_both_ways(
+    fake: tuple[AzureFake, str],
+) -> None:
+    """A model on Azure and on OpenAI: a throttled Azure deployment fails over to OpenAI, a
+    failing OpenAI deployment (its connection reset) to Azure."""
+    _, url = fake
+    async with openai_upstream() as oa:
+        providers = {"az": azure(url), "oa": {"type": "openai", "base_url": oa.base_url}}
+        models = (
+            model("gpt", "az/busy-east", "oa/gpt-4o"),
+            model("gpt-b", "oa/gpt-4o@reset_rate=1", "az/gpt-4o-west"),
+        )
+        async with gateway(providers, *models) as clients:
+            first = await clients.chat.chat.completions.with_raw_response.create(
+                model="gpt", messages=[{"role": "user", "content": "hi"}]
+            )
+            second = await clients.messages.messages.with_raw_response.create(
+                model="gpt-b", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+            )
+    assert first.headers["x-tailguard-deployment"] == "oa/gpt-4o"
+    assert first.headers["x-tailguard-attempts"] == "2"
+    assert second.headers["x-tailguard-deployment"] == "az/gpt-4o-west"
+    assert second.headers["x-tailguard-attempts"] == "2"
+    message = await second.parse()
+    assert message.content[0].type == "text" and message.content[0].text == TEXT
+
+
+async def test_a_slow_azure_deployment_is_hedged_on_openai(fake: tuple[AzureFake, str]) -> None:
+    """A first token late on Azure: a hedge on OpenAI wins, and the Azure stream is closed."""
+    upstream, url = fake
+    async with openai_upstream() as oa:
+        providers = {"az": azure(url), "oa": {"type": "openai", "base_url": oa.base_url}}
+        gpt = model("gpt", "az/slow-east", "oa/gpt-4o")
+        for deployment in gpt["deployments"]:
+            deployment["prior"] = {"ttft_ms": 50}
+        gpt |= {"budget": {"ttft_ms": 400}, "on_ttft_miss": "hedge", "hedge_max_fraction": 1.0}
+        async with gateway(providers, gpt) as clients:
+            response = await clients.http.post(
+                "/v1/chat/completions", json=chat_body("gpt") | {"stream": True}
+            )
+            async with asyncio.timeout(WATCHDOG_S):
+                await upstream.wait_for(lambda fake: fake.abandoned == 1)
+    assert response.status_code == 200
+    assert response.headers["x-tailguard-route"] == "hedge"
+    assert response.headers["x-tailguard-deployment"] == "oa/gpt-4o"
+    assert response.text.rstrip().endswith("data: [DONE]")
+    assert upstream.served("slow-east") == 1
