@@ -24,7 +24,9 @@ from anthropic.types import Message, ToolParam
 from openai.types.chat import ChatCompletionToolParam
 from openai.types.responses import FunctionToolParam, Response, ResponseFunctionToolCall
 from openai.types.responses.response_input_param import FunctionCallOutput
+from typer.testing import CliRunner
 
+from gateway.cli import app as cli
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
@@ -633,3 +635,97 @@ async def test_a_slow_azure_deployment_is_hedged_on_openai(fake: tuple[AzureFake
     assert response.headers["x-tailguard-deployment"] == "oa/gpt-4o"
     assert response.text.rstrip().endswith("data: [DONE]")
     assert upstream.served("slow-east") == 1
+
+
+# --- check-config --------------------------------------------------------------------------------
+
+AZURE_CONFIG = """\
+providers:
+  az:
+    type: azure
+    base_url: https://contoso.openai.azure.com
+{keys}
+models:
+  - name: gpt
+    deployments: [{{provider: az, model: gpt-4o-prod}}]
+"""
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (
+            "    api_key: k-0123456789",
+            "providers.az: api_version is required for a provider of type 'azure': 'v1' (the "
+            "/openai/v1/ paths) or a dated version such as '2024-10-21' (the "
+            "/openai/deployments/{deployment}/ paths)",
+        ),
+        (
+            "    api_version: 2024-10\n    api_key: k-0123456789",
+            "providers.az: api_version '2024-10' is neither 'v1' nor a date such as "
+            "'2024-10-21' (a preview version: '2025-04-01-preview')",
+        ),
+        (
+            "    api_version: v1",
+            "providers.az: a provider of type 'azure' needs a credential: api_key (sent as "
+            "api-key), or an Entra ID token in azure_ad_token (use ${VAR}) or "
+            "azure_ad_token_file",
+        ),
+        (
+            "    api_version: v1\n    api_key: k-0123456789\n    azure_ad_token_file: /t",
+            "providers.az: api_key and azure_ad_token_file are alternatives: set only one of them",
+        ),
+        (
+            "    api_version: v1\n    api_key: k-0123456789\n    responses: native\n"
+            "    content_filter_failover: maybe",
+            "providers.az.content_filter_failover: Input should be a valid boolean, unable to "
+            "interpret input",
+        ),
+    ],
+    ids=["no-version", "bad-version", "no-credential", "two-credentials", "bad-boolean"],
+)
+def test_check_config_explains_azure_keys(tmp_path: Path, keys: str, message: str) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(AZURE_CONFIG.format(keys=keys))
+    assert message in check_config_problems(path)
+
+
+def test_check_config_explains_azure_urls_and_keys_on_other_types(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        AZURE_CONFIG.format(keys="    api_version: v1\n    api_key: k-0123456789").replace(
+            "azure.com", "azure.com/openai/v1"
+        )
+    )
+    assert (
+        "providers.az: base_url of an azure provider is the resource's root, such as "
+        "https://<resource>.openai.azure.com, without '/openai/v1': the gateway adds the "
+        "/openai/... path itself, as api_version says"
+    ) in check_config_problems(path)
+    path.write_text(
+        AZURE_CONFIG.format(keys="    content_filter_failover: true").replace(
+            "type: azure", "type: openai"
+        )
+    )
+    assert (
+        "providers.az: content_filter_failover is for providers of type azure (this one is "
+        "'openai')"
+    ) in check_config_problems(path)
+    path.write_text(AZURE_CONFIG.format(keys="    api_version: v1\n    api_key: k-0123456789"))
+    result = CliRunner().invoke(cli, ["check-config", "--config", str(path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["providers"]["az"]["endpoints"] == [
+        "chat",
+        "messages",
+        "completions",
+        "embeddings",
+    ]
+    assert "k-0123456789" not in result.stdout
+
+
+def check_config_problems(path: Path) -> str:
+    result = CliRunner().invoke(cli, ["check-config", "--config", str(path)])
+    assert result.exit_code == 2, result.stdout
+    assert "Traceback" not in result.stderr and "k-0123456789" not in result.stderr
+    return " ".join(result.stderr.split())
