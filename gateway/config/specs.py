@@ -164,8 +164,8 @@ class ProviderSpec(_Spec):
     """Idle connections kept open for reuse."""
     responses: Literal["translate", "native"] = "translate"
     """How `/v1/responses` reaches this upstream: `translate` (to chat completions, or to Messages
-    for anthropic) or `native` (openai only: forwarded to its own `/responses`). The gateway
-    keeps the conversation state either way."""
+    for anthropic) or `native` (openai and azure only: forwarded to its own `/responses`). The
+    gateway keeps the conversation state either way."""
     anthropic_version: str = "2023-06-01"
     """`anthropic-version` header (anthropic only)."""
     bulk_priority: int | None = None
