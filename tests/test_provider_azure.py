@@ -31,7 +31,8 @@ from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, serve
-from tests.fakes.azure_upstream import AFTER_TOOL_TEXT, WORDS, AzureFake
+from tests.fakes.azure_upstream import AFTER_TOOL_TEXT, RESPONSES_VERSION, WORDS, AzureFake
+from tests.fakes.responses_upstream import WORDS as NATIVE_WORDS
 from tests.schemas import SchemaWire, parse_sse, validate, validate_stream
 from tests.timing import scaled
 
@@ -729,3 +730,31 @@ def check_config_problems(path: Path) -> str:
     assert result.exit_code == 2, result.stdout
     assert "Traceback" not in result.stderr and "k-0123456789" not in result.stderr
     return " ".join(result.stderr.split())
+
+
+# --- native Responses ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["v1", RESPONSES_VERSION])
+async def test_native_responses_reach_azures_responses_api(
+    fake: tuple[AzureFake, str], version: str
+) -> None:
+    """`responses: native`: `/v1/responses` goes to Azure's own Responses API, the deployment
+    named in the body, streamed and not; the answer passes through."""
+    upstream, url = fake
+    spec = azure(url, api_version=version, responses="native")
+    async with gateway({"az": spec}, model("gpt", "az/gpt-4o-prod")) as clients:
+        answer = await clients.chat.responses.create(model="gpt", input="hi")
+        events = await clients.chat.responses.create(model="gpt", input="hi", stream=True)
+        kinds = [event.type async for event in events]
+    assert answer.output_text == "".join(NATIVE_WORDS)
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert upstream.refused == []
+    for received in upstream.requests:
+        assert received.deployment == "gpt-4o-prod"
+        assert received.headers["api-key"] == API_KEY
+        if version == "v1":
+            assert received.path == "/openai/v1/responses" and received.query == {}
+        else:
+            assert received.path == "/openai/responses"
+            assert received.query == {"api-version": [RESPONSES_VERSION]}

@@ -4,9 +4,12 @@ reference (data-plane inference, 2024-10-21, and the v1 API).
 Paths: `POST /openai/deployments/{deployment}/chat/completions?api-version=<date>` (the
 api-version must be one the fake knows, else Azure's 404 / 400) and
 `POST /openai/v1/chat/completions` (the deployment is the body's `model`; no dated
-api-version). Auth: the `api-key` header, or `Authorization: Bearer <token>` where the token is
-one of `tokens` (mutable: a test rotates them); anything else is Azure's 401 body, which echoes
-what it received (the worst case for a gateway that forwards error text).
+api-version); the Responses API at `/openai/v1/responses` and
+`/openai/responses?api-version=2025-04-01-preview`, answered by `ResponsesFake`.
+
+Auth: the `api-key` header, or `Authorization: Bearer <token>` where the token is one of
+`tokens` (mutable: a test rotates them); anything else is Azure's 401 body, which echoes what it
+received (the worst case for a gateway that forwards error text).
 
 Answers are shaped like Azure's: a stream's first event has empty `choices` and
 `prompt_filter_results`; every choice carries `content_filter_results`; after the finish an
@@ -37,6 +40,7 @@ from urllib.parse import parse_qs, unquote
 import orjson
 
 from tests.fakes.asgi import lifespan
+from tests.fakes.responses_upstream import ResponsesFake
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -55,6 +59,8 @@ UNSAFE: Final[dict[str, Any]] = SAFE | {"violence": {"filtered": True, "severity
 PROMPT_FILTER: Final = [{"prompt_index": 0, "content_filter_results": SAFE}]
 _DEPLOYMENTS: Final = "/openai/deployments/"
 _V1: Final = "/openai/v1/chat/completions"
+_RESPONSES: Final = ("/openai/v1/responses", "/openai/responses")
+RESPONSES_VERSION: Final = "2025-04-01-preview"  # the dated versions that have the Responses API
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,7 @@ class AzureFake:
         self.slow_ms = slow_ms
         self.requests: list[Received] = []
         self.refused: list[int] = []  # the status of every refusal, in order
+        self.responses = ResponsesFake()
         self.abandoned = 0
         self._ids = itertools.count(1)
         self._changed = asyncio.Condition()
@@ -123,6 +130,9 @@ class AzureFake:
                 pass
             gone.set()
 
+        if scope["path"] in _RESPONSES:
+            await self._responses(scope, query, headers, body, bytes(raw), send)
+            return
         watcher = asyncio.create_task(watch())
         try:
             deployment = None
@@ -143,6 +153,35 @@ class AzureFake:
                 await watcher
             async with self._changed:
                 self._changed.notify_all()
+
+    async def _responses(
+        self,
+        scope: Scope,
+        query: dict[str, list[str]],
+        headers: dict[str, str],
+        body: Any,
+        raw: bytes,
+        send: Send,
+    ) -> None:
+        """Azure's Responses API (`/openai/v1/responses`, or `/openai/responses` with a dated
+        api-version): the deployment is the body's `model`; the answer is `ResponsesFake`'s."""
+        deployment = body.get("model") if isinstance(body, dict) else None
+        self.requests.append(Received(scope["path"], query, headers, body, deployment))
+        try:
+            if scope["path"] == _RESPONSES[1] and query.get("api-version") != [RESPONSES_VERSION]:
+                raise _error(400, "BadRequest", "API version not supported")
+            self._authenticate(headers)
+            if not isinstance(deployment, str) or not deployment:
+                raise _error(400, "BadRequest", "model is required", param="model")
+        except RefusedError as refusal:
+            self.refused.append(refusal.status)
+            await _send(send, refusal.status, orjson.dumps(refusal.body), refusal.headers)
+            return
+
+        async def replay() -> MutableMapping[str, Any]:
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        await self.responses({**scope, "path": "/v1/responses"}, replay, send)
 
     # --- checks --------------------------------------------------------------------------------
 
