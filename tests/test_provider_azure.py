@@ -495,7 +495,7 @@ async def test_rejected_credentials_never_show_in_errors_logs_or_admin(
                 )
                 assert response.status_code == 502
                 bodies.append(response.text)
-        for path in ("/admin/latency", "/readyz", "/metrics", "/admin/config"):
+        for path in ("/admin/latency", "/readyz", "/metrics", "/dashboard"):
             bodies.append((await clients.http.get(path)).text)
     assert upstream.refused and set(upstream.refused) == {401}
     assert "credentials (401)" in bodies[0]
@@ -723,6 +723,10 @@ def test_check_config_explains_azure_urls_and_keys_on_other_types(tmp_path: Path
         "embeddings",
     ]
     assert "k-0123456789" not in result.stdout
+    path.write_text(AZURE_CONFIG.format(keys=f"    api_version: v1\n    azure_ad_token: {TOKEN}"))
+    result = CliRunner().invoke(cli, ["check-config", "--config", str(path), "--explain"])
+    assert result.exit_code == 0, result.stderr
+    assert "Entra ID token set" in result.stdout and TOKEN not in result.stdout
 
 
 def check_config_problems(path: Path) -> str:
