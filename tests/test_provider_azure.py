@@ -439,9 +439,12 @@ async def test_a_token_rotated_on_disk_is_used_without_failing_a_request(
                     | {"stream": stream},
                 )
                 assert response.status_code == 200, response.text
+        path.unlink()  # between a delete and a rename: the last token read stays in use
+        response = await clients.http.post("/v1/chat/completions", json=chat_body("gpt"))
+        assert response.status_code == 200, response.text
     assert upstream.refused == []
     sent = [r.headers["authorization"] for r in upstream.requests]
-    assert sent == [f"Bearer {t}" for t in (TOKEN, TOKEN, ROTATED, ROTATED, third, third)]
+    assert sent == [f"Bearer {t}" for t in (TOKEN, TOKEN, ROTATED, ROTATED, third, third, third)]
 
 
 async def test_an_unreadable_token_file_fails_over_and_says_why(

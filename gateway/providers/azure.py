@@ -37,7 +37,6 @@ _PATHS: Final[dict[Endpoint, str]] = {
     "completions": "/completions",
     "embeddings": "/embeddings",
 }
-_EMPTY: Final = Chunk(raw=b"")  # what a filter-results-only event becomes: nothing to send
 _FILTER_KEYS: Final = frozenset({"content_filter_results", "content_filter_offsets"})
 _IDLE_CHOICE_KEYS: Final = _FILTER_KEYS | {"index", "finish_reason", "logprobs", "delta"}
 
@@ -50,6 +49,7 @@ class TokenFile:
         self.path = path
         self._stamp: tuple[int, int, int] | None = None
         self.token: str | None = None
+        self._failing = False  # the last look at the file failed
 
     def current(self, deployment: str) -> str:
         """The token now in the file (the previous one while the file cannot be read or is
@@ -69,7 +69,15 @@ class TokenFile:
                     deployment=deployment,
                     kind="credentials",
                 ) from None
-            log.warning("azure_ad_token_file unreadable (%s): the last token stays in use", exc)
+            if not self._failing:  # once per failure, not once per request
+                log.warning(
+                    "azure_ad_token_file %s unreadable (%s): the last token read stays in use",
+                    self.path,
+                    type(exc).__name__,
+                )
+            self._failing = True
+        else:
+            self._failing = False
         if self.token is None:
             raise ProviderError(
                 "azure_ad_token_file is empty", deployment=deployment, kind="credentials"
@@ -175,7 +183,7 @@ class FilteredStream:
             return None
         for index, chunk in enumerate(batch):
             if chunk.data is not None and filter_results_only(chunk.data, chunk):
-                batch[index] = _EMPTY  # still an event before the first token: it is bounded
+                batch[index] = Chunk(raw=b"")  # still an event before a first token: bounded
         return batch
 
     async def aclose(self) -> None:
