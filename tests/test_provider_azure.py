@@ -558,9 +558,11 @@ async def test_content_filter_failover_tries_the_other_deployments(
             assert served.headers["x-tailguard-attempts"] == "2"
         refused = await clients.http.post("/v1/chat/completions", json=chat_body("strict"))
         latency = (await clients.http.get("/admin/latency")).json()
+        metrics = (await clients.http.get("/metrics")).text
     assert upstream.served("filtered-east") == 4  # tried first every time: never cooling down
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "content_filter"
     assert upstream.served("filtered-a") == upstream.served("filtered-b") == 1
+    assert 'error_type="content_filter"' in metrics  # a label of its own, not upstream_other
     assert not any(d.get("cooldown_until") for d in latency["deployments"].values())
 
 
