@@ -19,6 +19,7 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import orjson
 import pytest
 from anthropic.types import Message, ToolParam
 from openai.types.chat import ChatCompletionToolParam
@@ -27,6 +28,10 @@ from openai.types.responses.response_input_param import FunctionCallOutput
 from typer.testing import CliRunner
 
 from gateway.cli import app as cli
+from gateway.models import SSEEvent
+from gateway.providers.azure import filter_results_only
+from gateway.providers.decode import OpenAIStreamDecoder
+from gateway.scrubbing import Scrubber
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
@@ -767,3 +772,44 @@ async def test_native_responses_reach_azures_responses_api(
         else:
             assert received.path == "/openai/responses"
             assert received.query == {"api-version": [RESPONSES_VERSION]}
+
+
+# --- which events are Azure's filter results only ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("event", "dropped"),
+    [
+        ({"choices": [], "prompt_filter_results": [{"prompt_index": 0}]}, True),
+        ({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}, False),
+        ({"choices": [{"index": 0, "finish_reason": None, "content_filter_results": {}}]}, True),
+        (
+            {
+                "choices": [
+                    {"index": 0, "content_filter_offsets": {"end_offset": 9}, "delta": {}},
+                ]
+            },
+            True,
+        ),
+        ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, False),
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, False),
+        ({"choices": [{"index": 0, "delta": {}, "finish_reason": None}]}, False),  # not Azure's
+        ({"choices": [{"index": 0, "text": "", "content_filter_results": {}}]}, False),
+    ],
+    ids=[
+        "prompt-filter",
+        "usage",
+        "filter-results",
+        "filter-offsets",
+        "role",
+        "finish",
+        "empty-delta",
+        "completions-text",
+    ],
+)
+def test_filter_only_events_are_told_apart(event: dict[str, Any], dropped: bool) -> None:
+    chunk = OpenAIStreamDecoder(scrub=Scrubber.GENERIC).decode(
+        SSEEvent(raw=b"", data=orjson.dumps(event))
+    )
+    assert chunk.data is not None
+    assert filter_results_only(chunk.data, chunk) is dropped
