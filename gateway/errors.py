@@ -20,6 +20,7 @@
     │   ├── RateLimitedError          429 (retry-after)
     │   ├── ProviderUnavailableError  503 (upstream 503 / Anthropic 529)
     │   └── ProviderRejectedError     400/413/422 from upstream: the request itself is bad (final)
+    │       └── ContentFilteredError  400 content_filter: final, or tried elsewhere if configured
     └── AllCandidatesFailedError      504 if all timed out, 429 if all rate limited, else 502
 
 Exceptions from libraries (aiohttp, redis) are translated where they are caught, never here. An
@@ -155,6 +156,7 @@ class ProviderError(GatewayError):
     """One upstream attempt failed before any byte reached the client."""
 
     status, type, code, retryable = 502, "server_error", "upstream_error", True
+    faults_deployment = True  # a failure of the deployment: it counts towards its cooldown
 
     def __init__(
         self,
@@ -217,6 +219,27 @@ class ProviderRejectedError(ProviderError):
         self.param = param
         if upstream_code:
             self.code = upstream_code
+
+
+class ContentFilteredError(ProviderRejectedError):
+    """A content filter refused the request (Azure's 400, code `content_filter`). Final unless
+    its provider allows trying the model's other deployments; either way it is the content's
+    doing, not the deployment's, so it never cools a deployment down."""
+
+    faults_deployment = False
+
+    def __init__(
+        self, message: str, *, deployment: str, failover: bool, param: str | None = None
+    ) -> None:
+        super().__init__(
+            message,
+            deployment=deployment,
+            upstream_status=400,
+            param=param,
+            upstream_code="content_filter",
+        )
+        self.retryable = failover
+        self.kind = "content_filter"
 
 
 class AllCandidatesFailedError(GatewayError):

@@ -31,12 +31,19 @@ SECRETS = {
     "OPENAI_API_KEY": "sk-test-SECRET-123",
     "ANTHROPIC_API_KEY": "sk-ant-SECRET-456",
     "VLLM_API_KEY": "vllm-SECRET-789",
+    "AZURE_OPENAI_API_KEY": "azure-SECRET-321",
     "REDIS_URL": "redis://:redis-SECRET-000@10.0.0.5:6379/0",
 }
 
 
 def secret_values() -> list[str]:
-    return ["sk-test-SECRET-123", "sk-ant-SECRET-456", "vllm-SECRET-789", "redis-SECRET-000"]
+    return [
+        "sk-test-SECRET-123",
+        "sk-ant-SECRET-456",
+        "vllm-SECRET-789",
+        "redis-SECRET-000",
+        "azure-SECRET-321",
+    ]
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -442,7 +449,7 @@ models:
         (
             {"TAILGUARD_PROVIDERS": '{"sim": {"type": "simulted"}}'},
             "error: TAILGUARD_PROVIDERS: providers.sim.type: Input should be 'openai', 'vllm', "
-            "'anthropic', 'simulated' or 'bedrock'",
+            "'anthropic', 'azure', 'bedrock' or 'simulated'",
         ),
         (
             {"TAILGUARD_PROVIDERS__SIM__API_KEYY": "sk-SECRET-9"},

@@ -147,6 +147,7 @@ def test_examples_are_valid() -> None:
     environ = {
         "OPENAI_API_KEY": "sk-test",
         "ANTHROPIC_API_KEY": "sk-ant-test",
+        "AZURE_OPENAI_API_KEY": "azure-test",
         "REDIS_URL": "redis://127.0.0.1:6379/0",
     }
     examples = sorted(Path("config/examples").glob("*.yaml"))

@@ -21,7 +21,7 @@ from gateway.cli.common import (
     redact_url,
     without_userinfo,
 )
-from gateway.config import Settings, config_path
+from gateway.config import ProviderSpec, Settings, config_path
 from gateway.config.cloud_bedrock import shown_base_url
 from gateway.models import Endpoint
 
@@ -213,6 +213,7 @@ def _explain(settings: Settings, path: Path) -> dict[str, Any]:
                 "headers": sorted(spec.headers),  # names only: the values are secrets
                 "endpoints": [e for e in _ENDPOINTS if can_serve(providers[name], e)],
             }
+            | _entra_id(spec)
             for name, spec in settings.providers.items()
         },
         "models": models,
@@ -238,7 +239,7 @@ def _explain_tables(report: dict[str, Any]) -> list[Table]:
             escape(name),
             provider["type"],
             escape(provider["base_url"] or "(in-process)"),
-            provider["api_key"],
+            escape(provider.get("entra_id") or provider["api_key"]),
             escape(", ".join(provider["headers"]) or "-"),
             ", ".join(provider["endpoints"]),
         )
@@ -320,3 +321,13 @@ def _explain_lines(report: dict[str, Any]) -> list[str]:
         f"server {server['host']}:{server['port']}, {server['workers']} worker(s); "
         f"{report['auth']['summary']}",
     ]
+
+
+def _entra_id(spec: ProviderSpec) -> dict[str, str]:
+    """How an Azure provider without an api_key authenticates: its Entra ID token's source (a
+    file's path is no secret; a token is only said to be set)."""
+    if spec.azure_ad_token_file:
+        return {"entra_id": f"Entra ID token file {spec.azure_ad_token_file}"}
+    if spec.azure_ad_token is not None:
+        return {"entra_id": "Entra ID token set"}
+    return {}

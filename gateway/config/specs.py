@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from gateway.config.cloud_azure import azure_keys_set, check_azure
 from gateway.config.cloud_bedrock import check_bedrock, refuse_bedrock_keys
 from gateway.sim.profile import SimProfile
 
@@ -18,7 +19,7 @@ DEFAULT_CONFIG_PATH = "config/gateway.yaml"
 CONFIG_PATH_ENV = "TAILGUARD_CONFIG"
 LOG_LEVEL_ENV = "TAILGUARD_LOG_LEVEL"  # how `serve --workers N` passes --log-level on
 
-ProviderType = Literal["openai", "vllm", "anthropic", "simulated", "bedrock"]
+ProviderType = Literal["openai", "vllm", "anthropic", "azure", "bedrock", "simulated"]
 Priority = Literal["interactive", "bulk"]
 OnTTFTMiss = Literal["failover", "hedge", "none"]
 OnTotalMiss = Literal["finish", "cut"]
@@ -115,14 +116,15 @@ class ProviderSpec(_Spec):
     """An upstream endpoint plus its credentials and limits."""
 
     type: ProviderType
-    """`openai`, `vllm`, `anthropic`, `bedrock` (AWS Bedrock's Converse API) or `simulated`
-    (in-process)."""
+    """`openai`, `vllm`, `anthropic`, `azure` (Azure OpenAI), `bedrock` (AWS Bedrock's Converse
+    API) or `simulated` (in-process)."""
     base_url: str | None = None
-    """OpenAI-compatible: include `/v1`; Anthropic: without. Absent for `simulated`; optional for
-    `bedrock` (default: `https://bedrock-runtime.{region}.amazonaws.com`)."""
+    """OpenAI-compatible: include `/v1`; Anthropic: without; Azure: the resource's root,
+    `https://<resource>.openai.azure.com`. Absent for `simulated`; optional for `bedrock`
+    (default: `https://bedrock-runtime.{region}.amazonaws.com`)."""
     api_key: SecretStr | None = None
-    """The upstream's credential (use `${VAR}`). For `bedrock`, a Bedrock API key (sent as a
-    bearer token instead of a SigV4 signature)."""
+    """The upstream's credential (use `${VAR}`); Azure sends it as `api-key`; for `bedrock`, a
+    Bedrock API key (sent as a bearer token instead of a SigV4 signature)."""
     headers: dict[str, SecretStr] = Field(
         default_factory=dict, description="Extra headers sent upstream (values are secrets)."
     )
@@ -166,8 +168,8 @@ class ProviderSpec(_Spec):
     """Idle connections kept open for reuse."""
     responses: Literal["translate", "native"] = "translate"
     """How `/v1/responses` reaches this upstream: `translate` (to chat completions, or to Messages
-    for anthropic) or `native` (openai only: forwarded to its own `/responses`). The gateway
-    keeps the conversation state either way."""
+    for anthropic) or `native` (openai and azure only: forwarded to its own `/responses`). The
+    gateway keeps the conversation state either way."""
     anthropic_version: str = "2023-06-01"
     """`anthropic-version` header (anthropic only)."""
     bulk_priority: int | None = None
@@ -183,6 +185,20 @@ class ProviderSpec(_Spec):
     """simulated only: the profile of a model not named in `profiles`."""
     seed: int | None = None
     """simulated only: makes runs reproducible."""
+    # azure only
+    api_version: str | None = None
+    """azure only: `v1` (the `/openai/v1/` paths, the deployment named in the body) or a dated
+    version such as `2024-10-21` (`/openai/deployments/{deployment}/...?api-version=`). A
+    deployment's `model` is the Azure deployment's name."""
+    azure_ad_token: SecretStr | None = None
+    """azure only: an Entra ID access token sent as `Authorization: Bearer` (use `${VAR}`),
+    instead of `api_key`."""
+    azure_ad_token_file: str | None = None
+    """azure only: a file holding an Entra ID access token, read again whenever it changes
+    (a token rotated on disk is used from the next request on), instead of `api_key`."""
+    content_filter_failover: bool = False
+    """azure only: a request refused by Azure's content filter (400, code `content_filter`) is
+    tried on the model's other deployments instead of being answered with that refusal."""
     # bedrock only
     region: str | None = None
     """bedrock only (required): the AWS region, e.g. `us-east-1`; part of the endpoint and of
@@ -199,8 +215,10 @@ class ProviderSpec(_Spec):
     def _check_kind(self) -> ProviderSpec:
         if self.bulk_priority is not None and self.type != "vllm":
             raise ValueError("bulk_priority is for providers of type vllm")
-        if self.responses == "native" and self.type != "openai":
-            raise ValueError("responses: native is for providers of type openai")
+        if self.responses == "native" and self.type not in ("openai", "azure"):
+            raise ValueError("responses: native is for providers of type openai or azure")
+        if self.type == "azure" or azure_keys_set(self):
+            check_azure(self)
         if self.metrics_url is not None and self.type != "vllm":
             raise ValueError("metrics_url is for providers of type vllm")
         if self.type == "bedrock":

@@ -18,6 +18,12 @@ async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str,
     for name, spec in settings.providers.items():
         if spec.type == "simulated":
             providers[name] = SimulatedProvider(name, spec)
+        elif spec.type == "azure":
+            from gateway.providers.azure import AzureProvider
+
+            session = make_session(spec)
+            stack.push_async_callback(session.close)
+            providers[name] = AzureProvider(name, spec, session)
         elif spec.type == "bedrock":
             from gateway.providers.bedrock import BedrockProvider
 

@@ -20,6 +20,7 @@ from gateway.models import Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, status_error, stream_limits
 from gateway.providers.decode import anthropic_error, openai_error
 from gateway.scrubbing import Scrubber
+from gateway.upstream import UpstreamStream
 
 _OPENAI_PATHS: Final[dict[Endpoint, str]] = {
     "chat": "/chat/completions",
@@ -28,9 +29,16 @@ _OPENAI_PATHS: Final[dict[Endpoint, str]] = {
 }
 _ANTHROPIC_PATHS: Final[dict[Endpoint, str]] = {"messages": "/v1/messages"}
 
-_SYSTEMS: Final[dict[str, str]] = {"openai": "openai", "vllm": "vllm", "anthropic": "anthropic"}
+_SYSTEMS: Final[dict[str, str]] = {
+    "openai": "openai",
+    "vllm": "vllm",
+    "anthropic": "anthropic",
+    "azure": "azure.ai.openai",
+}
 
 _TIMEOUTS = (TimeoutError, aiohttp.ServerTimeoutError)
+
+Session = aiohttp.ClientSession  # what an adapter over HTTP is given (the one owner of aiohttp)
 
 STREAM_PIECE_BYTES: Final = 4 * 1024  # tiny events in this many bytes take ~0.5 ms to parse
 
@@ -141,14 +149,8 @@ class HTTPProvider:
         self._urls = {endpoint: base + path for endpoint, path in paths.items()}
         if spec.responses == "native":
             self._urls["responses"] = base + "/responses"
-        headers = {"content-type": "application/json"}
         key = spec.api_key.get_secret_value() if spec.api_key else None
-        if self.wire == "anthropic":
-            headers["anthropic-version"] = spec.anthropic_version
-            if key:
-                headers["x-api-key"] = key
-        elif key:
-            headers["authorization"] = f"Bearer {key}"
+        headers = {"content-type": "application/json"} | self._auth_headers(spec, key)
         for header, value in spec.headers.items():
             headers[header.lower()] = value.get_secret_value()
         # Streams are forwarded byte for byte, so they are asked for uncompressed.
@@ -161,16 +163,26 @@ class HTTPProvider:
         secrets = [v.get_secret_value() for v in spec.headers.values()]
         self.scrub = Scrubber.of([*secrets, key] if key else secrets)
 
+    def _auth_headers(self, spec: ProviderSpec, key: str | None) -> dict[str, str]:
+        """The headers that carry the credential (and the API version) on every request."""
+        if self.wire == "anthropic":
+            headers = {"anthropic-version": spec.anthropic_version}
+            return headers | {"x-api-key": key} if key else headers
+        return {"authorization": f"Bearer {key}"} if key else {}
+
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in self._urls
 
-    async def open(self, deployment: str, request: UpstreamRequest) -> ChunkStream:
+    def _target(self, deployment: str, request: UpstreamRequest) -> tuple[str, dict[str, str]]:
+        """Where the request goes and with which headers."""
         base = self._stream_headers if request.stream else self.body_headers
         headers = base | request.headers if request.headers else base
+        return self._urls[request.endpoint], headers
+
+    async def open(self, deployment: str, request: UpstreamRequest) -> UpstreamStream:
         try:
-            response = await self.session.post(
-                self._urls[request.endpoint], data=request.body, headers=headers
-            )
+            url, headers = self._target(deployment, request)
+            response = await self.session.post(url, data=request.body, headers=headers)
         except Exception as exc:
             error = self._error(deployment, exc)
             if error is None:

@@ -294,7 +294,8 @@ class _Race:
             self.refused = self.refused or error
         else:
             self.errors.append(error)
-            self.guards.cooldowns.failed(live.candidate.id, error)
+            if error.faults_deployment:
+                self.guards.cooldowns.failed(live.candidate.id, error)
             live.claims.verdict()
         self.ledger.close(live, f"error:{kind}", error=kind if error.retryable else None)
 
@@ -325,6 +326,8 @@ class _Race:
     def _nothing_left(self) -> GatewayError:
         if self.refused is not None and not self.errors:
             return self.refused
+        if self.errors and not any(e.faults_deployment for e in self.errors):
+            return self.errors[0]  # the content was refused everywhere: the refusal is the answer
         if not self.errors and self.cooling_skipped:
             return CoolingDownError(
                 f"Every deployment of '{self.budget.model}' is cooling down after failures.",
@@ -389,7 +392,8 @@ async def _time_explored(ledger: Ledger, task: asyncio.Task[Opened], live: Live)
             await opened.stream.aclose()
     elif isinstance(error, ProviderError) and error.retryable:
         guards.explorer.observed(live.candidate.id, None)
-        guards.cooldowns.failed(live.candidate.id, error)
+        if error.faults_deployment:
+            guards.cooldowns.failed(live.candidate.id, error)
         live.claims.verdict()
         ledger.close(live, f"error:{error.kind or 'error'}", error=error.kind or "error")
     else:

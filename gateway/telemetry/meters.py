@@ -51,6 +51,7 @@ GATEWAY_ERRORS: Final = frozenset(
         # why an upstream attempt failed
         *("connection_error", "invalid_response", "timeout", "truncated", "total_deadline"),
         *("inband_error", "stream_idle", "precommit_limit", "error"),
+        *("content_filter", "credentials"),  # a content filter refused; a token file unreadable
         *("ProviderError", "ProviderTimeoutError", "RateLimitedError"),
         *("ProviderUnavailableError", "ProviderRejectedError"),
     }
