@@ -232,9 +232,10 @@ async def test_breaker_opening_is_counted(
         found = await scrape_when(client, gw.url, requests_counted(4))
     bad = "p/bad@error_500_rate=1"
     assert found.families[sc.COOLDOWNS].type == "counter"
-    assert {
-        s.labels["deployment"]: s.value for s in found.matching(sc.COOLDOWNS + "_total")
-    } == {bad: 1.0, "f/ok": 0.0}
+    assert {s.labels["deployment"]: s.value for s in found.matching(sc.COOLDOWNS + "_total")} == {
+        bad: 1.0,
+        "f/ok": 0.0,
+    }
     assert found.value(sc.ATTEMPTS + "_total", deployment=bad, outcome="error") == 3
     assert found.value(sc.FALLBACKS + "_total", model="m", reason="error_fallback") == 4
     failed = found.matching(

@@ -56,10 +56,7 @@ def run(*args: str, cwd: Path = ROOT) -> str:
 def rules() -> list[dict[str, Any]]:
     """Every rule of every rule file."""
     return [
-        rule
-        for path in RULES
-        for group in load_yaml(path)["groups"]
-        for rule in group["rules"]
+        rule for path in RULES for group in load_yaml(path)["groups"] for rule in group["rules"]
     ]
 
 
