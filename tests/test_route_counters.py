@@ -311,7 +311,9 @@ async def test_every_route_is_counted_as_what_it_is(upstream: Upstream) -> None:
     reason=f"{CHROMIUM} is missing or not executable: install the Debian `chromium` package "
     "(`apt-get install -y chromium`; .ci/run does this before the suite)",
 )
-async def test_the_dashboard_cards_agree_with_the_route_counters(upstream: Upstream) -> None:
+async def test_the_dashboard_cards_agree_with_the_route_counters(
+    upstream: Upstream, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Each model's card, in a real headless Chromium: its fallback answers (count, share of
     the requests answered and why), the share a fallback model served, and a fallback rate that
     moves only for a model some other candidate answered for. No "Fallback rate 33%" on a card
@@ -330,6 +332,8 @@ async def test_the_dashboard_cards_agree_with_the_route_counters(upstream: Upstr
         ledger, _ = await drive_every_route(client, gw.url)
         await check_cards(page, ledger)
         rates: dict[str, list[str]] = await page.evaluate("() => window.rates")
+        png = await page.locator('[data-model="pair"]').screenshot()
+        (tmp_path_factory.getbasetemp() / "dashboard-routes.png").write_bytes(png)
         assert watched.errors == []
     with_fallbacks = {m for m, _ in ledger.fallbacks}
     for model, shown in rates.items():
