@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "deploy" / "prometheus"
 RULES = sorted((PROMETHEUS / "rules").glob("*.yml"))
 UNIT_TESTS = sorted((PROMETHEUS / "tests").glob("*.test.yml"))
-# The alerts the docs promise (docs/observability.md, "Prometheus rules and alerts").
+# The alerts the docs promise (docs/observability.md, "Prometheus rules, alerts and Grafana").
 ALERTS = {
     "TailguardSLOBudgetBurnPage",
     "TailguardSLOBudgetBurnTicket",
