@@ -81,6 +81,27 @@ def test_rule_unit_tests_pass(path: Path) -> None:
     assert "SUCCESS" in output, output
 
 
+def test_unit_tests_evaluate_recordings_before_the_alerts_that_read_them() -> None:
+    """promtool evaluates the groups of one evaluation in `group_eval_order`, else in an order
+    of its own: an alert group run first would read the previous evaluation's recordings, out
+    of the lookback window at a long test interval. Each unit-test file orders every group it
+    loads, the recordings first."""
+    for path in UNIT_TESTS:
+        document = load_yaml(path)
+        groups = [
+            group
+            for name in document["rule_files"]
+            for group in load_yaml(path.parent / name)["groups"]
+        ]
+        recordings = [g["name"] for g in groups if all("record" in r for r in g["rules"])]
+        alerts = [g["name"] for g in groups if all("alert" in r for r in g["rules"])]
+        assert len(recordings) + len(alerts) == len(groups), path.name
+        order = document.get("group_eval_order")
+        assert order is not None, f"{path.name} sets no group_eval_order"
+        assert sorted(order) == sorted(recordings + alerts), path.name
+        assert order[: len(recordings)] == [g for g in order if g in recordings], path.name
+
+
 def test_every_alert_is_fired_and_kept_silent_by_a_unit_test() -> None:
     """Each alert has a unit test in which it fires and one in which it stays silent; each
     recording rule the alerts and the dashboard read is evaluated by one."""
