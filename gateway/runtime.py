@@ -176,7 +176,7 @@ class Runtime:
                     lambda: {d: s.inflight for d, s in self.latency.snapshot.deployments.items()},
                 ),
                 GuardsCollector(
-                    lambda: self.services.guards.cooldowns.opened,
+                    lambda: _cooldowns_opened(self.services),
                     lambda: self.services.guards.hedges.counts,
                     lambda: self.services.guards.retries.denied,
                     lambda: self.tracing.dropped,
@@ -504,3 +504,10 @@ async def _open_latency_store(settings: Settings, stack: AsyncExitStack) -> Late
         )
     await stack.enter_async_context(run_store(store))
     return store
+
+
+def _cooldowns_opened(services: Services) -> dict[str, int]:
+    """Times each configured deployment's breaker opened, 0 for those that never did: a series
+    from the start, so that `increase()` sees the first opening too."""
+    opened = dict.fromkeys((d.id for m in services.settings.models for d in m.deployments), 0)
+    return opened | services.guards.cooldowns.opened

@@ -152,7 +152,7 @@ def test_examples_are_valid() -> None:
     }
     examples = sorted(Path("config/examples").glob("*.yaml"))
     assert len(examples) >= 4
-    for path in [Path("config/gateway.yaml"), Path("config/compose.yaml"), *examples]:
+    for path in [Path("config/gateway.yaml"), Path("config/compose-gateway.yaml"), *examples]:
         load_settings(path, environ=environ)
 
 

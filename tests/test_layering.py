@@ -50,6 +50,7 @@ LIBRARY_OWNERS = {
     "prometheus_client": {
         "gateway.telemetry.prometheus",
         "gateway.telemetry.meters",
+        "gateway.telemetry.fallbacks",
         "gateway.telemetry.catalogue",
         "gateway.providers.vllm",  # parses vLLM's /metrics
     },

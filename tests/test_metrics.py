@@ -221,8 +221,9 @@ async def test_hedge_is_counted(primary: Sim, fallback: Sim, client: httpx.Async
 async def test_breaker_opening_is_counted(
     primary: Sim, fallback: Sim, client: httpx.AsyncClient
 ) -> None:
-    """Three 500s in a row open the primary's breaker once; each failed attempt is an `error`
-    attempt with an operation duration labelled by its error type, and each request an
+    """Three 500s in a row open the primary's breaker once (every configured deployment has its
+    series from the start, so `increase()` sees a first opening); each failed attempt is an
+    `error` attempt with an operation duration labelled by its error type, and each request an
     `error_fallback`."""
     settings = two(primary, fallback, "bad@error_500_rate=1")
     async with run_gateway(settings) as gw:
@@ -231,9 +232,10 @@ async def test_breaker_opening_is_counted(
         found = await scrape_when(client, gw.url, requests_counted(4))
     bad = "p/bad@error_500_rate=1"
     assert found.families[sc.COOLDOWNS].type == "counter"
-    assert [(s.labels, s.value) for s in found.matching(sc.COOLDOWNS + "_total")] == [
-        ({"deployment": bad}, 1.0)
-    ]
+    assert {s.labels["deployment"]: s.value for s in found.matching(sc.COOLDOWNS + "_total")} == {
+        bad: 1.0,
+        "f/ok": 0.0,
+    }
     assert found.value(sc.ATTEMPTS + "_total", deployment=bad, outcome="error") == 3
     assert found.value(sc.FALLBACKS + "_total", model="m", reason="error_fallback") == 4
     failed = found.matching(

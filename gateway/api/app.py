@@ -134,6 +134,8 @@ def _latency_view(services: Services) -> dict[str, Any]:
     body["counters"] = {
         "routes": routes,
         "fallback": services.meters.fallback_served.by_model(requests),
+        # Answers from a candidate other than the first planned, by why (fallbacks_total).
+        "fallbacks": services.meters.fallbacks.by_model(),
         "hedges": hedges,
         "cooldowns": dict(services.guards.cooldowns.opened),
     }

@@ -168,6 +168,7 @@ def _served(outcome: RequestOutcome, decision: Decision) -> None:
         duration_s=now - arrived,
         overhead_s=outcome.overhead_s,
         error_type=outcome.error_type,
+        first=opened is None or opened.candidate.id == decision.first,
     )
     if opened is not None:
         services.meters.prompt_tokens.count(model, deployment, opened.tally.usage)

@@ -63,6 +63,9 @@ class Decision:
     plan: Plan
     budget: Budget
     headers: dict[str, str]  # sent upstream with every attempt (x-request-id, traceparent...)
+    # The id of the first candidate the plan was made from: the one a request goes to when
+    # nothing moves it (budget, cooldown, failover). An answer from any other is a fallback.
+    first: str = ""
 
 
 def decide(
@@ -111,7 +114,7 @@ def decide(
     if budget.ttft_s is not None and spec.on_ttft_miss != "none" and budget.may_hedge:
         # A deployment routed away is now and then tried again, raced by the one that serves.
         chosen = with_exploration(chosen, found, routes.guards.explorer.due)
-    return Decision(call, steering.settle(chosen), budget, headers)
+    return Decision(call, steering.settle(chosen), budget, headers, first=found[0].id)
 
 
 def moved_for_latency(chosen: Plan, model: str) -> bool:

@@ -60,6 +60,7 @@ def catalogue() -> list[MetricInfo]:
         snapshot = Snapshot(window_s=60, taken_at=0.0, source="memory")
         collectors: list[Collector] = [
             *(m for m in vars(meters).values() if isinstance(m, MetricWrapperBase)),
+            meters.fallbacks.counter,
             meters.fallback_served.counter,
             PromptTokensCollector(meters.prompt_tokens),
             LatencyStoreCollector(lambda: {"type": "memory", "state": "ok"}, dict),

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from gateway.latency import BYTES_PER_TOKEN, CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Sample, Snapshot
 from gateway.telemetry import semconv as sc
+from gateway.telemetry.fallbacks import Fallbacks, FallbackServed
 from gateway.telemetry.usage import PromptTokens
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # `*_created` series double the exposition and no dashboard reads them
@@ -109,13 +110,7 @@ class Meters:
             ["deployment", "outcome"],
             registry=registry,
         )
-        self.fallbacks = Counter(
-            sc.FALLBACKS,
-            "Requests served by a candidate other than the first, by why: budget, "
-            "budget_unattainable, ttft_failover, error_fallback.",
-            ["model", "reason"],
-            registry=registry,
-        )
+        self.fallbacks = Fallbacks(registry)
         self.fallback_served = FallbackServed(registry)
         self.client_duration = Histogram(
             sc.CLIENT_OPERATION_DURATION,
@@ -273,8 +268,11 @@ class Meters:
         duration_s: float,
         overhead_s: float | None,
         error_type: str | None,
+        first: bool = True,
     ) -> None:
-        """One client request, answered (or failed) as `status`."""
+        """One client request, answered (or failed) as `status`. `first`: whether the candidate
+        that served it (if any) is the first one its plan was made from; an answer from any
+        other, reached by any route but a hedge, is a fallback."""
         self._child(self.requests, model, deployment, route, str(status)).inc()
         key = (model, route if status < 400 else "error")
         self.routes[key] = self.routes.get(key, 0) + 1
@@ -284,8 +282,8 @@ class Meters:
         )
         if overhead_s is not None:
             self._child(self.overhead, model).observe(overhead_s)
-        if route not in ("", "primary", "hedge"):
-            self._child(self.fallbacks, model, route).inc()
+        if not first and status < 400 and route and route != "hedge":
+            self.fallbacks.count(model, route)
 
     def judged(self, model: str, deployment: str, verdicts: Mapping[str, bool]) -> None:
         """One client request's verdicts: {"ttft" | "total" | "tpot": met}, for each budget it
@@ -324,53 +322,6 @@ class Meters:
             if last_token is not None:
                 decode.observe(last_token - first_token)
         total.observe(ended - arrived)
-
-
-class FallbackServed:
-    """What fallback models serve instead of the model asked for, and why (the route)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.counter = Counter(
-            sc.FALLBACK_SERVED,
-            "Requests served by a fallback model instead of the model asked for, by the "
-            "fallback model and the route that reached it: budget or budget_unattainable "
-            "(for latency), hedge or ttft_failover (a rescue), error_fallback (after errors).",
-            ["model", "fallback", "route"],
-            registry=registry,
-        )
-        self._children: dict[tuple[str, str, str], Any] = {}
-        # (model, fallback, route) -> requests since start: the counter's own values, which
-        # `/admin/latency` (and the dashboard, `stats` and `report` through it) reads.
-        self.counts: dict[tuple[str, str, str], int] = {}
-
-    def count(self, model: str, fallback: str, route: str) -> None:
-        """One request of `model` served by the fallback model `fallback`, reached by `route`."""
-        key = (model, fallback, route)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.counter.labels(*key)
-        child.inc()
-        self.counts[key] = self.counts.get(key, 0) + 1
-
-    def by_model(self, requests: Mapping[str, int]) -> dict[str, dict[str, Any]]:
-        """Per model with `requests` (client requests since start, every outcome) or anything
-        served by a fallback: the requests, how many a fallback model served and their share,
-        and those by route and by fallback model."""
-        found: dict[str, dict[str, Any]] = {
-            model: {"requests": n, "served": 0, "routes": {}, "fallbacks": {}}
-            for model, n in requests.items()
-        }
-        for (model, fallback, route), n in self.counts.items():
-            entry = found.setdefault(
-                model, {"requests": 0, "served": 0, "routes": {}, "fallbacks": {}}
-            )
-            entry["served"] += n
-            entry["routes"][route] = entry["routes"].get(route, 0) + n
-            entry["fallbacks"][fallback] = entry["fallbacks"].get(fallback, 0) + n
-        for entry in found.values():
-            total = entry["requests"]
-            entry["share"] = round(entry["served"] / total, 4) if total else None
-        return found
 
 
 class GuardsCollector(Collector):
