@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -21,8 +21,10 @@ from gateway.cli.common import (
     redact_url,
     without_userinfo,
 )
-from gateway.config import Settings, config_path
-from gateway.models import Endpoint
+
+if TYPE_CHECKING:
+    from gateway.config import Settings
+    from gateway.models import Endpoint
 
 
 def check_config(
@@ -42,6 +44,8 @@ def check_config(
 ) -> None:
     """Validate a config file, listing every problem at once, and print its models and
     deployments (secrets masked)."""
+    from gateway.config import config_path
+
     settings = load_or_exit(config)
     path = config_path(config)
     if json_:

@@ -9,7 +9,6 @@ import typer
 from rich.markup import escape
 
 from gateway.cli.common import ConfigOption, auth_summary, err, load_or_exit
-from gateway.config import CONFIG_PATH_ENV, LOG_LEVEL_ENV, config_path
 
 
 def serve(
@@ -32,6 +31,8 @@ def serve(
 ) -> None:
     """Start the gateway. The config is validated before the port is bound."""
     import uvicorn
+
+    from gateway.config import CONFIG_PATH_ENV, LOG_LEVEL_ENV, config_path
 
     # Who may connect is decided again on every reload, in every worker: the flags that bear on
     # it are passed on as `TAILGUARD_*` overrides, so each later load of the file sees them.
