@@ -28,6 +28,7 @@ from gateway.api.conversation import delete_response, get_response, list_input_i
 from gateway.api.conversation_routes import add_conversation_routes
 from gateway.api.count import count_routes
 from gateway.api.edge import LLM_ROUTES, EdgeMiddleware, context_of
+from gateway.api.landing import add_landing_routes
 from gateway.api.render import error_response, http_error, unexpected_error
 from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
 from gateway.errors import GatewayError, InvalidRequestError, UnknownModelError, quote
@@ -163,6 +164,7 @@ def _add_routes(app: FastAPI) -> None:
         app.router.routes.append(Route(path, WrongMethod(), include_in_schema=False))
     app.router.routes.extend(count_routes())  # POST /v1/messages/count_tokens, .../input_tokens
     add_conversation_routes(app)  # /v1/conversations and its items
+    add_landing_routes(app)  # GET /, and /docs and /redoc lead there
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
