@@ -1,14 +1,22 @@
-"""`tailguard serve`: validate the config, then run the gateway under uvicorn."""
+"""`tailguard serve`: validate the config, bind the port, then run the gateway under uvicorn.
+
+Everything that can stop a start-up and is the operator's to fix (an unreadable or invalid
+config, a bad Redis URL, a port in use) is found before the banner that says the gateway is on,
+and reported as one line with its exit status (docs/operations.md, "Exit codes")."""
 
 from __future__ import annotations
 
+import errno
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.markup import escape
 
 from gateway.cli.common import ConfigOption, auth_summary, err, load_or_exit
+
+EXIT_STARTUP_FAILED = 3  # the app did not start (uvicorn's STARTUP_FAILURE)
+EXIT_CANNOT_LISTEN = 4  # the address cannot be bound: in use, not permitted, not this machine's
 
 
 def serve(
@@ -29,10 +37,11 @@ def serve(
         ),
     ] = False,
 ) -> None:
-    """Start the gateway. The config is validated before the port is bound."""
+    """Start the gateway. The config is validated and the port bound before it says it is on."""
     import uvicorn
 
     from gateway.config import CONFIG_PATH_ENV, LOG_LEVEL_ENV, config_path
+    from gateway.workers import listen
 
     # Who may connect is decided again on every reload, in every worker: the flags that bear on
     # it are passed on as `TAILGUARD_*` overrides, so each later load of the file sees them.
@@ -43,12 +52,16 @@ def serve(
     settings = load_or_exit(config)
     bind_host = settings.server.host
     bind_port = settings.server.port if port is None else port
+    try:
+        sock = listen(bind_host, bind_port)
+    except OSError as exc:
+        cannot_listen(bind_host, bind_port, exc)
     count = workers or settings.server.workers
     names = ", ".join(m.name for m in settings.models)
     auth = auth_summary(settings)  # a refused exposure never gets here: load_or_exit stops it
     style = "yellow" if auth.startswith("auth off —") else "default"
     err.print(
-        f"Tailguard on http://{bind_host}:{bind_port}  ({count} worker{'s' if count > 1 else ''}; "
+        f"Tailguard on {_url(bind_host, bind_port)}  ({count} worker{'s' if count > 1 else ''}; "
         f"latency store: {settings.latency.store}; models: {escape(names)})\n"
         f"[{style}]{escape(auth)}[/]\nconfig: {escape(str(config_path(config)))}",
         highlight=False,
@@ -76,7 +89,13 @@ def serve(
 
         app = create_app(settings, config_path=config_path(config))
         tune_gc()
-        uvicorn.run(app, **options)
+        server = uvicorn.Server(uvicorn.Config(app, **options))
+        try:
+            server.run(sockets=[sock])  # the socket bound above: no second bind to fail
+        finally:
+            sock.close()
+        if not server.started:  # the lifespan failed: uvicorn has logged why
+            raise typer.Exit(EXIT_STARTUP_FAILED)
         return
     # Workers are separate processes: each loads the same (already validated) file. This
     # process accepts and deals the connections out to them (gateway/workers.py).
@@ -84,5 +103,32 @@ def serve(
     os.environ[LOG_LEVEL_ENV] = log_level
     from gateway.workers import serve_workers
 
-    status = serve_workers(count, options, grace_s=settings.server.shutdown_grace_s)
+    status = serve_workers(count, options, grace_s=settings.server.shutdown_grace_s, listener=sock)
     raise typer.Exit(status)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> NoReturn:
+    """One line saying why the address cannot be bound and what to do; exit status 4."""
+    where = _url(host, port)
+    if exc.errno == errno.EADDRINUSE:
+        other = port + 1 if port < 65535 else 8081
+        why = (
+            f"port {port} is in use (another gateway?). Pick another: `tailguard serve --port "
+            f'{other}` or `make run ARGS="--port {other}"`, or set server.port.'
+        )
+    elif exc.errno == errno.EACCES:
+        why = "permission denied (ports below 1024 need privileges): pick another with --port."
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        why = f"{host} is not an address of this machine: check --host or server.host."
+    else:
+        why = exc.strerror or str(exc)
+    err.print(
+        f"[bold red]error:[/] cannot listen on {escape(where)}: {escape(why)}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    raise typer.Exit(EXIT_CANNOT_LISTEN)
