@@ -30,7 +30,14 @@ from gateway.api.count import count_routes
 from gateway.api.edge import LLM_ROUTES, EdgeMiddleware, context_of
 from gateway.api.landing import add_landing_routes
 from gateway.api.render import error_response, http_error, unexpected_error
-from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
+from gateway.config import (
+    ACCESS_LOG_ENV,
+    HUMAN_LOG_ENV,
+    LOG_LEVEL_ENV,
+    Settings,
+    config_path,
+    load_settings,
+)
 from gateway.errors import GatewayError, InvalidRequestError, UnknownModelError, quote
 from gateway.latency import Recorder, TargetStats
 from gateway.openapi import build_openapi
@@ -290,7 +297,11 @@ def _add_routes(app: FastAPI) -> None:
 
 def create_app_from_env() -> ASGIApp:
     """App factory for `uvicorn --factory` and worker processes: loads `$TAILGUARD_CONFIG`."""
-    configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
+    configure_logging(
+        os.environ.get(LOG_LEVEL_ENV, "info"),
+        access_file=os.environ.get(ACCESS_LOG_ENV) or None,
+        human=os.environ.get(HUMAN_LOG_ENV) == "1",
+    )
     app = create_app(load_settings(), config_path=config_path())
     tune_gc()
     return app

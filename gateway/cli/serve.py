@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.markup import escape
 
-from gateway.cli.common import ConfigOption, auth_summary, err, load_or_exit
+from gateway.cli.common import ConfigOption, auth_summary, err, fail, load_or_exit
 
 EXIT_STARTUP_FAILED = 3  # the app did not start (uvicorn's STARTUP_FAILURE)
 EXIT_CANNOT_LISTEN = 4  # the address cannot be bound: in use, not permitted, not this machine's
@@ -36,11 +37,26 @@ def serve(
             help="Listen beyond loopback with no API keys (server.allow_unauthenticated).",
         ),
     ] = False,
+    access_log: Annotated[
+        str | None,
+        typer.Option(
+            "--access-log",
+            metavar="FILE",
+            help="Append the JSON access log to FILE ('-': stdout). Default: stdout, or, when "
+            "stdout is a terminal, one short line per request there instead.",
+        ),
+    ] = None,
 ) -> None:
     """Start the gateway. The config is validated and the port bound before it says it is on."""
     import uvicorn
 
-    from gateway.config import CONFIG_PATH_ENV, LOG_LEVEL_ENV, config_path
+    from gateway.config import (
+        ACCESS_LOG_ENV,
+        CONFIG_PATH_ENV,
+        HUMAN_LOG_ENV,
+        LOG_LEVEL_ENV,
+        config_path,
+    )
     from gateway.workers import listen
 
     # Who may connect is decided again on every reload, in every worker: the flags that bear on
@@ -50,6 +66,11 @@ def serve(
     if allow_unauthenticated:
         os.environ["TAILGUARD_SERVER__ALLOW_UNAUTHENTICATED"] = "true"
     settings = load_or_exit(config)
+    if access_log not in (None, "-"):
+        try:  # an unwritable file is the operator's to fix, and said before the gateway is on
+            open(access_log, "a", encoding="utf-8").close()
+        except OSError as exc:
+            fail(f"--access-log: cannot write {access_log} ({exc.strerror})")
     bind_host = settings.server.host
     bind_port = settings.server.port if port is None else port
     try:
@@ -83,7 +104,8 @@ def serve(
     }
     from gateway.telemetry import configure_logging
 
-    configure_logging(log_level)
+    human = sys.stdout.isatty()
+    configure_logging(log_level, access_file=access_log, human=human)
     if count == 1:
         from gateway.api import create_app, tune_gc
 
@@ -101,6 +123,8 @@ def serve(
     # process accepts and deals the connections out to them (gateway/workers.py).
     os.environ[CONFIG_PATH_ENV] = str(config_path(config).resolve())
     os.environ[LOG_LEVEL_ENV] = log_level
+    os.environ[ACCESS_LOG_ENV] = access_log or ""
+    os.environ[HUMAN_LOG_ENV] = "1" if human else ""
     from gateway.workers import serve_workers
 
     status = serve_workers(count, options, grace_s=settings.server.shutdown_grace_s, listener=sock)
