@@ -130,7 +130,7 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
         assert "fonts.googleapis" not in sheet.read_text(), sheet
 
 
-# --- every table is valid Markdown -----------------------------------------------------------------
+# --- every table is valid Markdown ------------------------------------------------------------
 
 _SEPARATOR = re.compile(r"^\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$")
 
