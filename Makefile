@@ -3,13 +3,30 @@
 # Each target installs only what it needs, once: `make run` the base dependencies (serving),
 # `make tour` adds the OpenAI SDK, `make test` the test toolchain, `make check` the linters and
 # the docs builder. A stamp in .venv marks each set as installed (again when pyproject.toml
-# changes), so `make run` after `make test` installs nothing.
+# changes), so `make run` after `make test` installs nothing. NO_INSTALL=1 uses the environment
+# in VENV as it is (`make stats VENV=~/venvs/tg NO_INSTALL=1`).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PIP    := $(BIN)/python -m pip --quiet --disable-pip-version-check
+# --no-compile: Python compiles what it imports on first use, not every module of every package.
+PIP    := $(BIN)/python -m pip --quiet --disable-pip-version-check --no-compile
 TEST_WORKERS ?= 3
 GATEWAY ?= http://127.0.0.1:8080
+
+MODEL  ?= chat-large
+PROBE_ARGS ?= --requests 5 --concurrency 5
+
+ifdef NO_INSTALL
+BASE :=
+TOUR :=
+TEST :=
+DEV  :=
+else
+BASE := $(VENV)/.base
+TOUR := $(VENV)/.tour
+TEST := $(VENV)/.test
+DEV  := $(VENV)/.dev
+endif
 
 .PHONY: run tour stats report probe test check format bench docs docs-serve install clean
 
@@ -31,45 +48,45 @@ $(VENV)/.dev: $(VENV)/.test
 	$(PIP) install -e '.[dev]'
 	@touch $@
 
-install: $(VENV)/.base
+install: $(BASE)
 
-run: $(VENV)/.base  ## start the gateway on the default config (simulated models, no keys)
+run: $(BASE)  ## start the gateway on the default config (simulated models, no keys)
 	$(BIN)/tailguard serve $(ARGS)
 
-tour: $(VENV)/.tour  ## the README's tour: one streamed request through a running gateway
-	$(BIN)/python tour.py $(ARGS)
+tour: $(TOUR)  ## the README's tour: one streamed request through a running gateway
+	$(BIN)/python tour.py $(GATEWAY)/v1
 
-stats: $(VENV)/.base  ## a running gateway's SLO attainment and latency percentiles
+stats: $(BASE)  ## a running gateway's SLO attainment and latency percentiles
 	$(BIN)/tailguard stats --url $(GATEWAY) $(ARGS)
 
-report: $(VENV)/.base  ## a running gateway's latency report (Markdown)
+report: $(BASE)  ## a running gateway's latency report (Markdown)
 	$(BIN)/tailguard report --url $(GATEWAY) $(ARGS)
 
-probe: $(VENV)/.base  ## TTFT and total time of a model through a running gateway
-	$(BIN)/tailguard probe $(GATEWAY)/v1 --model $(or $(MODEL),chat-large) $(ARGS)
+probe: $(BASE)  ## TTFT and total time of a model through a running gateway
+	$(BIN)/tailguard probe $(GATEWAY)/v1 --model $(MODEL) $(PROBE_ARGS) $(ARGS)
 
-test: $(VENV)/.test  ## the whole suite, in parallel workers (most tests wait on sockets, not the CPU)
+test: $(TEST)  ## the whole suite, in parallel workers (most tests wait on sockets, not the CPU)
 	$(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-check: $(VENV)/.dev  ## format, lint, types, and the docs (generated pages current, strict build)
+check: $(DEV)  ## format, lint, types, and the docs (generated pages current, strict build)
 	$(BIN)/ruff format --check gateway tests bench tour.py
 	$(BIN)/ruff check gateway tests bench tour.py
 	$(BIN)/mypy
 	$(BIN)/python -m gateway.cli.reference --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-format: $(VENV)/.dev
+format: $(DEV)
 	$(BIN)/ruff format gateway tests bench tour.py
 	$(BIN)/ruff check --fix gateway tests bench tour.py
 
-bench: $(VENV)/.test  ## gateway overhead against direct-to-upstream
+bench: $(TEST)  ## gateway overhead against direct-to-upstream
 	$(BIN)/python bench/overhead.py $(ARGS)
 
-docs: $(VENV)/.dev  ## regenerate docs/reference/, then build the site into site/
+docs: $(DEV)  ## regenerate docs/reference/, then build the site into site/
 	$(BIN)/python -m gateway.cli.reference
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-docs-serve: $(VENV)/.dev  ## the docs on http://127.0.0.1:8000, rebuilt on every change
+docs-serve: $(DEV)  ## the docs on http://127.0.0.1:8000, rebuilt on every change
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
