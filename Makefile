@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # --no-compile: Python compiles what it imports on first use, not every module of every package.
-PIP    := $(BIN)/python -m pip --quiet --disable-pip-version-check --no-compile
+PIP    := $(BIN)/python -m pip --quiet --disable-pip-version-check
 TEST_WORKERS ?= 3
 GATEWAY ?= http://127.0.0.1:8080
 
@@ -33,19 +33,19 @@ endif
 $(VENV)/.base: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -e .
+	$(PIP) install --no-compile -e .
 	@touch $@
 
 $(VENV)/.tour: $(VENV)/.base
-	$(PIP) install -e '.[tour]'
+	$(PIP) install --no-compile -e '.[tour]'
 	@touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -e '.[test]'
+	$(PIP) install --no-compile -e '.[test]'
 	@touch $@
 
 $(VENV)/.dev: $(VENV)/.test
-	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-compile -e '.[dev]'
 	@touch $@
 
 install: $(BASE)

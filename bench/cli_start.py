@@ -13,6 +13,7 @@ library and `git`, `make` and `python3` on the PATH, as a fresh clone has nothin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -67,13 +68,16 @@ def first_run(workdir: Path) -> dict[str, float]:
         # A benchmark polls: the point is the wall time until a client is answered.
         while not serves(port):
             if process.poll() is not None:
-                raise SystemExit(f"make run exited ({process.returncode}): see {log.name}")
+                log.flush()
+                tail = Path(log.name).read_text(errors="replace")[-2000:]
+                raise SystemExit(f"make run exited ({process.returncode}):\n{tail}")
             if time.perf_counter() - cloned > SERVE_TIMEOUT_S:
                 raise SystemExit(f"not serving after {SERVE_TIMEOUT_S:.0f} s")
             time.sleep(0.1)
         serving = time.perf_counter()
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited on its own
+            os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)
         log.close()
     return {

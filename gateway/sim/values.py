@@ -90,7 +90,7 @@ def same(a: object, b: object) -> bool:
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    return canonical(a) == canonical(b)
+    return bool(canonical(a) == canonical(b))
 
 
 def is_number(value: object) -> TypeGuard[int | float]:
