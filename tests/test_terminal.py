@@ -47,12 +47,13 @@ def requests(url: str) -> None:
         assert missing.status_code == 404
 
 
-def stop(process: subprocess.Popen[bytes]) -> bytes:
-    """Its stdout when piped (else b""); a clean stop (uvicorn re-raises the SIGTERM it got)."""
+def stop(process: subprocess.Popen[bytes]) -> tuple[str, str]:
+    """Its stdout when piped (else "") and the rest of its stderr; a clean stop (uvicorn
+    re-raises the SIGTERM it got)."""
     process.send_signal(signal.SIGTERM)
-    out, _ = process.communicate(timeout=scaled(30))
+    out, err = process.communicate(timeout=scaled(30))
     assert process.returncode in (0, -signal.SIGTERM)
-    return out or b""
+    return (out or b"").decode(), err.decode()
 
 
 def test_a_terminal_gets_one_line_per_request_and_the_file_the_json(tmp_path: Path) -> None:
@@ -63,7 +64,10 @@ def test_a_terminal_gets_one_line_per_request_and_the_file_the_json(tmp_path: Pa
     try:
         requests(url)
     finally:
-        stop(process)
+        _, err = stop(process)
+    # uvicorn's three start-up lines give way to one that says where to look.
+    assert f"ready: {url}/ (the dashboard at {url}/dashboard); Ctrl-C stops" in err, err
+    assert "Application startup complete" not in err and "Started server process" not in err
     shown = b""
     while True:  # the terminal's whole output, up to the closed end
         try:
@@ -97,8 +101,9 @@ def test_off_a_terminal_stdout_gets_the_json() -> None:
     try:
         requests(url)
     finally:
-        out = stop(process)
-    records = [json.loads(line) for line in out.decode().splitlines()]
+        out, err = stop(process)
+    assert "Application startup complete" in err  # off a terminal, uvicorn's lines as before
+    records = [json.loads(line) for line in out.splitlines()]
     assert [(r["status"], r["requested_model"]) for r in records] == [
         (200, "chat-fast"),
         (404, "nope"),

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import sys
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.markup import escape
 
 from gateway.cli.common import ConfigOption, auth_summary, err, fail, load_or_exit
+
+if TYPE_CHECKING:
+    import uvicorn
 
 EXIT_STARTUP_FAILED = 3  # the app did not start (uvicorn's STARTUP_FAILURE)
 EXIT_CANNOT_LISTEN = 4  # the address cannot be bound: in use, not permitted, not this machine's
@@ -111,7 +115,12 @@ def serve(
 
         app = create_app(settings, config_path=config_path(config))
         tune_gc()
-        server = uvicorn.Server(uvicorn.Config(app, **options))
+        if human and log_level == "info":
+            # A person at a terminal: one "ready" line instead of uvicorn's three start-up ones.
+            options["log_level"] = "warning"
+            server = _announcing(uvicorn.Config(app, **options))
+        else:
+            server = uvicorn.Server(uvicorn.Config(app, **options))
         try:
             server.run(sockets=[sock])  # the socket bound above: no second bind to fail
         finally:
@@ -129,6 +138,25 @@ def serve(
 
     status = serve_workers(count, options, grace_s=settings.server.shutdown_grace_s, listener=sock)
     raise typer.Exit(status)
+
+
+def _announcing(config: uvicorn.Config) -> uvicorn.Server:
+    """uvicorn's server, saying once that it serves, and where to look (uvicorn is imported
+    only by `serve`, so the class is made here)."""
+    import uvicorn
+
+    class Announcing(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                where = _url(self.config.host, self.config.port)
+                err.print(
+                    f"ready: {where}/ (the dashboard at {where}/dashboard); Ctrl-C stops",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+
+    return Announcing(config)
 
 
 def _url(host: str, port: int) -> str:
