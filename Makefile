@@ -8,7 +8,6 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# --no-compile: Python compiles what it imports on first use, not every module of every package.
 PIP    := $(BIN)/python -m pip --quiet --disable-pip-version-check
 TEST_WORKERS ?= 3
 GATEWAY ?= http://127.0.0.1:8080
@@ -33,19 +32,19 @@ endif
 $(VENV)/.base: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --no-compile -e .
+	$(PIP) install -e .
 	@touch $@
 
 $(VENV)/.tour: $(VENV)/.base
-	$(PIP) install --no-compile -e '.[tour]'
+	$(PIP) install -e '.[tour]'
 	@touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install --no-compile -e '.[test]'
+	$(PIP) install -e '.[test]'
 	@touch $@
 
 $(VENV)/.dev: $(VENV)/.test
-	$(PIP) install --no-compile -e '.[dev]'
+	$(PIP) install -e '.[dev]'
 	@touch $@
 
 install: $(BASE)
