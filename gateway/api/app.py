@@ -28,9 +28,17 @@ from gateway.api.conversation import delete_response, get_response, list_input_i
 from gateway.api.conversation_routes import add_conversation_routes
 from gateway.api.count import count_routes
 from gateway.api.edge import LLM_ROUTES, EdgeMiddleware, context_of
+from gateway.api.landing import add_landing_routes
 from gateway.api.openapi import build_openapi
 from gateway.api.render import error_response, http_error, unexpected_error
-from gateway.config import LOG_LEVEL_ENV, Settings, config_path, load_settings
+from gateway.config import (
+    ACCESS_LOG_ENV,
+    HUMAN_LOG_ENV,
+    LOG_LEVEL_ENV,
+    Settings,
+    config_path,
+    load_settings,
+)
 from gateway.errors import GatewayError, InvalidRequestError, UnknownModelError, quote
 from gateway.latency import Recorder, TargetStats
 from gateway.providers.vllm import snapshot as vllm_snapshot
@@ -165,6 +173,7 @@ def _add_routes(app: FastAPI) -> None:
         app.router.routes.append(Route(path, WrongMethod(), include_in_schema=False))
     app.router.routes.extend(count_routes())  # POST /v1/messages/count_tokens, .../input_tokens
     add_conversation_routes(app)  # /v1/conversations and its items
+    add_landing_routes(app)  # GET /, and /docs and /redoc lead there
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
@@ -290,7 +299,11 @@ def _add_routes(app: FastAPI) -> None:
 
 def create_app_from_env() -> ASGIApp:
     """App factory for `uvicorn --factory` and worker processes: loads `$TAILGUARD_CONFIG`."""
-    configure_logging(os.environ.get(LOG_LEVEL_ENV, "info"))
+    configure_logging(
+        os.environ.get(LOG_LEVEL_ENV, "info"),
+        access_file=os.environ.get(ACCESS_LOG_ENV) or None,
+        human=os.environ.get(HUMAN_LOG_ENV) == "1",
+    )
     app = create_app(load_settings(), config_path=config_path())
     tune_gc()
     return app

@@ -14,6 +14,7 @@ import typer
 
 from gateway import __version__
 from gateway.cli import bench, check, keys, probe, serve, sim, stats
+from gateway.cli.tidy import tidy_app
 
 app = typer.Typer(
     name="tailguard",
@@ -53,7 +54,8 @@ app.command()(probe.probe)
 app.command()(stats.report)
 app.add_typer(keys.keys_app)
 app.add_typer(bench.bench_app)
+tidy_app(app)
 
 
 def main() -> None:
-    app()
+    app(prog_name="tailguard")  # not `python -m gateway` in the usage lines

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from gateway.cli.common import err
+from gateway.cli.common import err, print_wide
+
+if TYPE_CHECKING:
+    from gateway.tools.bench import BatchingBenchReport
 
 bench_app = typer.Typer(
     name="bench",
@@ -35,4 +38,22 @@ def bench_batching(
     if json_:
         Console().print_json(report.to_json())
         return
-    Console(width=400).print(escape(report.markdown()), highlight=False, soft_wrap=True)
+    print_report(report)
+
+
+def print_report(report: BatchingBenchReport, out: Console | None = None) -> None:
+    """The measurements as a table, then the recommendation for each workload."""
+    from rich import box
+    from rich.table import Table
+
+    from gateway.tools.bench import COLUMNS
+
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
+    for i, column in enumerate(COLUMNS):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in report.cells():
+        table.add_row(*map(escape, row))
+    out = out or Console()
+    print_wide([table], out)
+    for line in report.conclusions():
+        out.print(escape(line), highlight=False, soft_wrap=True)

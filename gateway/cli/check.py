@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -21,9 +21,10 @@ from gateway.cli.common import (
     redact_url,
     without_userinfo,
 )
-from gateway.config import ProviderSpec, Settings, config_path
-from gateway.config.cloud_bedrock import shown_base_url
-from gateway.models import Endpoint
+
+if TYPE_CHECKING:
+    from gateway.config import ProviderSpec, Settings
+    from gateway.models import Endpoint
 
 
 def check_config(
@@ -43,6 +44,9 @@ def check_config(
 ) -> None:
     """Validate a config file, listing every problem at once, and print its models and
     deployments (secrets masked)."""
+    from gateway.config import config_path
+    from gateway.config.cloud_bedrock import shown_base_url
+
     settings = load_or_exit(config)
     path = config_path(config)
     if json_:
@@ -111,6 +115,7 @@ def _explain(settings: Settings, path: Path) -> dict[str, Any]:
     import random
     from contextlib import AsyncExitStack
 
+    from gateway.config.cloud_bedrock import shown_base_url
     from gateway.errors import InvalidRequestError
     from gateway.models import Call
     from gateway.providers import can_serve, open_providers

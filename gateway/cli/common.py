@@ -5,17 +5,22 @@ tables, and URLs made printable."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from gateway.admission.auth import exposed_without_keys, is_loopback
-from gateway.config import CONFIG_PATH_ENV, ConfigError, Settings, config_path, load_settings
+if TYPE_CHECKING:
+    from rich.table import Table
 
+    from gateway.config import Settings
+
+# The CLI imports the config layer (pydantic models, a second or more) only in the commands that
+# load a config, so that `--version` and `--help` answer at once. Hence this copy of its name.
+CONFIG_PATH_ENV = "TAILGUARD_CONFIG"  # gateway.config.CONFIG_PATH_ENV (a test keeps them equal)
 err = Console(stderr=True)
 ADMIN_KEY_ENV = "TAILGUARD_ADMIN_KEY"
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8080"
@@ -34,6 +39,8 @@ ConfigOption = Annotated[
 def load_or_exit(config: Path | None) -> Settings:
     """The settings of `config`, checked as `serve` would use them. Any problem ends the
     command (exit 2) after printing all of them, one a line, with no traceback."""
+    from gateway.config import ConfigError, config_path, load_settings
+
     try:
         settings = load_settings(config)
     except ConfigError as exc:
@@ -57,6 +64,7 @@ def fail(message: str) -> NoReturn:
 def startup_problems(settings: Settings, source: str) -> list[str]:
     """What would stop a valid config from serving: a Redis URL the stores cannot use, or no
     API keys on a non-loopback interface without `server.allow_unauthenticated`."""
+    from gateway.admission.auth import exposed_without_keys
     from gateway.redis import parse_redis_url
 
     problems = []
@@ -103,6 +111,8 @@ def rate_limit_store(settings: Settings) -> str | None:
 def auth_summary(settings: Settings) -> str:
     """Who may call the gateway, as the config really has it: the keys and whether rate limits
     are on, or, with no keys, why it is open (loopback, or `allow_unauthenticated`)."""
+    from gateway.admission.auth import is_loopback
+
     auth = settings.auth
     host = settings.server.host
     if auth is None or not auth.enabled:
@@ -126,10 +136,10 @@ def _count(n: int, thing: str) -> str:
     return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
-def print_wide(tables: list[Table]) -> None:
+def print_wide(tables: list[Table], out: Console | None = None) -> None:
     """Print tables; when piped, as wide as their rows rather than folded into 80 columns."""
-    out = Console()
-    if not out.is_terminal:
+    out = out or Console()
+    if not out.is_terminal and out.file is sys.stdout:
         wide = out.options.update_width(10_000)
         out = Console(width=max(out.width, *(out.measure(t, options=wide).maximum for t in tables)))
     for table in tables:

@@ -23,7 +23,10 @@ def keys_new(
         bool, typer.Option("--admin", help="An admin key (for /admin/* and /dashboard).")
     ] = False,
     models: Annotated[
-        str | None, typer.Option(help="Comma-separated models the key may use (default: all).")
+        str | None,
+        typer.Option(
+            metavar="MODEL,...", help="Comma-separated models the key may use (default: all)."
+        ),
     ] = None,
     rpm: Annotated[int | None, typer.Option(min=1, help="Requests per minute.")] = None,
     tpm: Annotated[int | None, typer.Option(min=1, help="Tokens per minute.")] = None,

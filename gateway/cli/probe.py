@@ -35,6 +35,7 @@ def probe(
         typer.Option(
             "--header",
             "-H",
+            metavar="'NAME: VALUE'",
             help="Extra header 'name: value', e.g. -H 'x-tailguard-ttft-budget-ms: 800' "
             "(repeatable).",
         ),

@@ -312,6 +312,8 @@ def _command_sections(command: Any, path: list[str]) -> Iterator[str]:
         yield _table(["Argument or option", "Type", "Default", "Description"], rows)
     if not hasattr(command, "commands"):  # a command, not a group
         return
+    if params:
+        yield "\n"  # two tables need a blank line between them, or Markdown reads one
     names: list[str] = command.list_commands(ctx)
     rows = []
     for sub in names:

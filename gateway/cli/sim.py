@@ -26,6 +26,7 @@ def sim(
         list[str] | None,
         typer.Option(
             "--set",
+            metavar="FIELD=VALUE",
             help="Override a field of the default profile, e.g. --set tokens_per_s=50 "
             "--set slow_rate=0.08 --set slow_ms=2000-4000 (repeatable).",
         ),
@@ -138,8 +139,9 @@ def simulate_speculative(
     acceptance: Annotated[
         str,
         typer.Option(
+            metavar="RATE,...",
             help="Acceptance rates to tabulate (the chance each draft token is right), "
-            "comma-separated, each in [0, 1]."
+            "comma-separated, each in [0, 1].",
         ),
     ] = "0.05,0.2,0.4,0.6,0.8,0.9",
     verify_cost: Annotated[

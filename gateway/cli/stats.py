@@ -94,9 +94,9 @@ def _latency_tables(snapshot: dict[str, Any]) -> list[Table]:
                 *(_quantile(ttft, q) for q in ("p50", "p90", "p99")),
                 *(_quantile(tpot, q) for q in ("p50", "p99")),
                 *(_quantile(total, q) for q in ("p50", "p99")),
-                str(target["requests"]),
-                str(target["errors"]),
-                str(target["inflight"]),
+                _n(target["requests"]),
+                _n(target["errors"]),
+                _n(target["inflight"]),
                 "yes" if target["trusted"] else "no",
             )
         tables.append(table)
@@ -146,7 +146,12 @@ _STATS_COLUMNS = (
 def _ms(value: float | None) -> str:
     if value is None:
         return "-"
-    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+    return f"{value:.1f}" if value < 100 else f"{value:,.0f}"
+
+
+def _n(count: int) -> str:
+    """A count as `tailguard report` writes it: 10,000."""
+    return f"{count:,}"
 
 
 def _quantile(metric: dict[str, Any], q: str) -> str:
@@ -194,7 +199,7 @@ def _attainment_table(snapshot: dict[str, Any]) -> Table:
             _against(target["total_ms"], budget.get("total_ms")),
             _attained(target["slo"]["tpot"]),
             "-" if extra is None else f"{extra:.1%}",
-            str(target["wasted"]["prompt_tokens"]),
+            _n(target["wasted"]["prompt_tokens"]),
             *_fallback(fallback.get(name)),
         )
     return table
@@ -205,15 +210,16 @@ def _fallback(counts: dict[str, Any] | None) -> tuple[str, str]:
     if not counts or not counts["requests"]:
         return "-", "-"
     served, requests = counts["served"], counts["requests"]
-    routes = ", ".join(f"{route} {n}" for route, n in sorted(counts["routes"].items()))
-    return f"{served / requests:.1%} ({served}/{requests})", escape(routes) or "-"
+    routes = ", ".join(f"{route} {_n(n)}" for route, n in sorted(counts["routes"].items()))
+    return f"{served / requests:.1%} ({_n(served)}/{_n(requests)})", escape(routes) or "-"
 
 
 def _attained(counts: dict[str, Any]) -> str:
     """`97.5% (39/40)`: met of judged; "-" when no request had that budget."""
     if not counts["judged"]:
         return "-"
-    return f"{counts['met'] / counts['judged']:.1%} ({counts['met']}/{counts['judged']})"
+    met, judged = counts["met"], counts["judged"]
+    return f"{met / judged:.1%} ({_n(met)}/{_n(judged)})"
 
 
 def _against(metric: dict[str, Any], budget_ms: float | None) -> str:

@@ -13,8 +13,10 @@ from gateway.config.settings import (
     resolve_env,
 )
 from gateway.config.specs import (
+    ACCESS_LOG_ENV,
     CONFIG_PATH_ENV,
     DEFAULT_CONFIG_PATH,
+    HUMAN_LOG_ENV,
     LOG_LEVEL_ENV,
     AdminKeySpec,
     AffinitySpec,
@@ -42,8 +44,10 @@ from gateway.config.specs import (
 )
 
 __all__ = [
+    "ACCESS_LOG_ENV",
     "CONFIG_PATH_ENV",
     "DEFAULT_CONFIG_PATH",
+    "HUMAN_LOG_ENV",
     "LOG_LEVEL_ENV",
     "PACKAGED_CONFIG",
     "AdminKeySpec",

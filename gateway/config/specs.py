@@ -18,6 +18,8 @@ from gateway.sim.profile import SimProfile
 DEFAULT_CONFIG_PATH = "config/gateway.yaml"
 CONFIG_PATH_ENV = "TAILGUARD_CONFIG"
 LOG_LEVEL_ENV = "TAILGUARD_LOG_LEVEL"  # how `serve --workers N` passes --log-level on
+ACCESS_LOG_ENV = "TAILGUARD_ACCESS_LOG_FILE"  # ... and --access-log
+HUMAN_LOG_ENV = "TAILGUARD_HUMAN_LOG"  # ... and whether its stdout is a terminal ("1")
 
 ProviderType = Literal["openai", "vllm", "anthropic", "azure", "bedrock", "simulated"]
 Priority = Literal["interactive", "bulk"]
@@ -57,7 +59,8 @@ class ServerSpec(_Spec):
     may hold at most this many JSON values, counted as its commas and colons before it is
     parsed (an upper bound: punctuation inside strings counts too); more gets a 413."""
     access_log: bool = True
-    """One JSON line per LLM request on stdout."""
+    """One JSON line per LLM request: on stdout, or appended to the file `serve --access-log`
+    names. On a terminal, `serve` shows a short line per request instead."""
     shutdown_grace_s: Annotated[float, Field(ge=0, le=3600)] = 30.0
     """How long streams may run on after SIGTERM."""
     reload_on_change: bool = True

@@ -52,10 +52,17 @@ ACCEPT_BATCH: Final = 64  # connections accepted per wake-up, so that signals ar
 CAUGHT: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def serve_workers(count: int, options: Mapping[str, Any], *, grace_s: float) -> int:
+def serve_workers(
+    count: int,
+    options: Mapping[str, Any],
+    *,
+    grace_s: float,
+    listener: socket.socket | None = None,
+) -> int:
     """Serve on `options["host"]:options["port"]` with `count` workers until SIGTERM or SIGINT;
-    returns the exit status. `options` are `uvicorn.Config` keywords, given to every worker."""
-    return Supervisor(count, options, grace_s=grace_s).run()
+    returns the exit status. `options` are `uvicorn.Config` keywords, given to every worker.
+    `listener`: the socket, already bound with `listen` (else it is bound here)."""
+    return Supervisor(count, options, grace_s=grace_s, listener=listener).run()
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -96,7 +103,14 @@ class _Worker:
 class Supervisor:
     """Owns the listening socket and the workers; see the module docstring."""
 
-    def __init__(self, count: int, options: Mapping[str, Any], *, grace_s: float) -> None:
+    def __init__(
+        self,
+        count: int,
+        options: Mapping[str, Any],
+        *,
+        grace_s: float,
+        listener: socket.socket | None = None,
+    ) -> None:
         self.count = count
         self.options = dict(options)
         self.grace_s = grace_s
@@ -104,7 +118,7 @@ class Supervisor:
         self.status: int | None = None  # once set, the loop ends and the process exits with it
         self._selector = selectors.DefaultSelector()
         self._spawn = multiprocessing.get_context("spawn")
-        self._listener: socket.socket | None = None
+        self._listener: socket.socket | None = listener
         self._listening = False
         self._paused_until: float | None = None
         self._failing: set[str] = set()  # what was logged as failing, until it works again
@@ -117,11 +131,12 @@ class Supervisor:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def run(self) -> int:
-        try:
-            self._listener = listen(self.options["host"], self.options["port"])
-        except OSError as exc:
-            log.error("cannot listen on %s: %s", self.address, exc)
-            return STARTUP_FAILURE
+        if self._listener is None:
+            try:
+                self._listener = listen(self.options["host"], self.options["port"])
+            except OSError as exc:
+                log.error("cannot listen on %s: %s", self.address, exc)
+                return STARTUP_FAILURE
         # Signals arrive as bytes on the wake-up socket, read in the loop like everything else.
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)

@@ -126,7 +126,7 @@ def _merge(base: Mapping[str, Any], extra: Mapping[str, Any], path: str) -> dict
             merged[key] = value
             continue
         old = merged[key]
-        if old == value:
+        if same(old, value):  # JSON equality: `const: false` and `const: 0` differ
             continue
         if key == "type":
             kinds = _intersect_types(old, value)
@@ -145,7 +145,7 @@ def _merge(base: Mapping[str, Any], extra: Mapping[str, Any], path: str) -> dict
         elif key in _UPPER_BOUNDS and not isinstance(old, bool) and not isinstance(value, bool):
             merged[key] = min(old, value)
         elif key == "enum" and isinstance(old, list) and isinstance(value, list):
-            merged[key] = [v for v in old if v in value]
+            merged[key] = [v for v in old if any(same(v, w) for w in value)]
             if not merged[key]:
                 raise SchemaError(f"{where(path)}: no value is in both enums")
         elif key in _SUBSCHEMAS:

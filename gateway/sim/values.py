@@ -83,8 +83,14 @@ def fits(value: object, node: Mapping[str, Any]) -> bool:
 
 
 def same(a: object, b: object) -> bool:
-    """JSON equality: `false` is not `0`."""
-    return type_of(a) == type_of(b) and canonical(a) == canonical(b)
+    """JSON equality: `false` is not `0`, at any depth (`[false]` is not `[0]`)."""
+    if type_of(a) != type_of(b):
+        return False
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(canonical(a) == canonical(b))
 
 
 def is_number(value: object) -> TypeGuard[int | float]:

@@ -1,4 +1,8 @@
-"""The access log: one JSON line per LLM request on the `tailguard.access` logger, no bodies."""
+"""The access log: one JSON line per LLM request on the `tailguard.access` logger, no bodies.
+
+A serving process writes the lines to stdout, or to a file (`serve --access-log FILE`); on a
+terminal, `serve` shows one short line per request for a person instead (`human_line`), and the
+JSON goes to the file when one is given."""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ import logging
 import queue
 import sys
 import threading
+import time
 from logging.handlers import QueueHandler
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -47,11 +52,18 @@ class _Writer(threading.Thread):
     woken (no timer takes the interpreter while a request waits)."""
 
     def __init__(
-        self, records: queue.SimpleQueue[logging.LogRecord | str], other: logging.Handler
+        self,
+        records: queue.SimpleQueue[logging.LogRecord | str],
+        other: logging.Handler,
+        *,
+        json_to: IO[str] | None,
+        human: bool,
     ) -> None:
         super().__init__(name="tailguard-log-writer", daemon=True)
         self._records = records
         self._other = other
+        self._json_to = json_to  # None: the JSON lines are not written (a terminal, no file)
+        self._human = human
         self._done = threading.Event()
 
     def run(self) -> None:
@@ -81,29 +93,72 @@ class _Writer(threading.Thread):
                 record = self._records.get_nowait()
             except queue.Empty:
                 break
-        if lines:
-            try:
-                sys.stdout.write("\n".join(lines) + "\n")
-                sys.stdout.flush()
-            except (OSError, ValueError):  # stdout closed: nothing useful left to do
-                pass
+        if not lines:
+            return
+        if self._json_to is not None:
+            _write(self._json_to, lines)
+        if self._human:
+            _write(sys.stdout, [human_line(orjson.loads(line)) for line in lines])
+
+
+def _write(to: IO[str], lines: list[str]) -> None:
+    try:
+        to.write("\n".join(lines) + "\n")
+        to.flush()
+    except (OSError, ValueError):  # closed: nothing useful left to do
+        pass
+
+
+def human_line(fields: dict[str, Any]) -> str:
+    """An access line for a person at a terminal: time, status, model, route, TTFT, total.
+
+    `12:03:04 200 chat-large primary  ttft 288 ms  total 1,204 ms  sim/large`
+    """
+    when = time.strftime("%H:%M:%S", time.localtime(fields.get("time") or time.time()))
+    model = fields.get("model") or fields.get("requested_model") or "-"
+    parts = [when, str(fields.get("status", "-")), model, fields.get("route") or "-"]
+    ttft = fields.get("ttft_ms")
+    parts.append(" ttft " + ("-" if ttft is None else _ms(ttft)))
+    parts.append(" total " + _ms(fields.get("total_ms") or 0.0))
+    if fields.get("deployment"):
+        parts.append(" " + fields["deployment"])
+    if fields.get("error"):
+        parts.append(" " + fields["error"])
+    path = fields.get("path")
+    if path and path != "/v1/chat/completions":
+        parts.append(" " + path)
+    return " ".join(parts)
+
+
+def _ms(value: float) -> str:
+    return f"{value:,.0f} ms" if value >= 10 else f"{value:.1f} ms"
 
 
 _writer: _Writer | None = None
 _direct: queue.SimpleQueue[logging.LogRecord | str] | None = None  # the writer's queue, once set up
 
 
-def configure_logging(level: str = "info") -> None:
-    """Logging for a serving process: access lines as bare JSON on stdout; the gateway's other
-    messages at `level` on stderr. Records go through a queue to a writer thread, so a slow or
-    blocked stdout never stalls the event loop. Call once, before the app starts."""
+def configure_logging(
+    level: str = "info", *, access_file: str | None = None, human: bool = False
+) -> None:
+    """Logging for a serving process: access lines as bare JSON on stdout, or appended to
+    `access_file`; the gateway's other messages at `level` on stderr. With `human` (stdout is a
+    terminal), stdout gets one short line per request instead of the JSON, which goes to
+    `access_file` if given and nowhere else. Records go through a queue to a writer thread, so
+    a slow or blocked stdout never stalls the event loop. Call once, before the app starts."""
     global _writer, _direct
     if _writer is not None:
         _writer.stop()
     records: queue.SimpleQueue[logging.LogRecord | str] = queue.SimpleQueue()
     other = logging.StreamHandler(sys.stderr)
     other.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    _writer = _Writer(records, other)
+    json_to: IO[str] | None = None if human else sys.stdout
+    if access_file is not None and access_file != "-":
+        # Line-buffered: each line is one append, whole even when several workers share the file.
+        json_to = open(access_file, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+    elif access_file == "-":
+        json_to = sys.stdout
+    _writer = _Writer(records, other, json_to=json_to, human=human and json_to is not sys.stdout)
     _writer.start()
     atexit.register(_writer.stop)  # writes out what is queued
     enqueue = QueueHandler(records)

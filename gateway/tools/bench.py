@@ -139,25 +139,56 @@ class BatchingBenchReport:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def markdown(self) -> str:
-        """The results as a Markdown table and the recommendations, one per line."""
-        lines = [
-            "| workload | max_wait_ms | throughput (req/s) | p50 (ms) | p99 (ms) "
-            "| inputs per upstream call | gateway CPU | load generator CPU | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
+    def cells(self) -> list[list[str]]:
+        """One row of `COLUMNS` per measurement, formatted."""
+        rows = []
         for r in self.rows:
             batch = "-" if r.mean_batch is None else f"{r.mean_batch:.1f}"
             cpu = "-" if r.gateway_cpu is None else f"{r.gateway_cpu:.0%}"
             load = "-" if r.load_cpu is None else f"{r.load_cpu:.0%}"
-            lines.append(
-                f"| {r.workload} | {r.max_wait_ms} | {r.throughput_rps:.0f} | {r.p50_ms:.1f} "
-                f"| {r.p99_ms:.1f} | {batch} | {cpu} | {load} | {r.errors} |"
+            rows.append(
+                [
+                    r.workload,
+                    f"{r.max_wait_ms:,}",
+                    f"{r.throughput_rps:,.0f}",
+                    f"{r.p50_ms:,.1f}",
+                    f"{r.p99_ms:,.1f}",
+                    batch,
+                    cpu,
+                    load,
+                    f"{r.errors:,}",
+                ]
             )
-        lines.append("")
-        lines += [f"{r.workload}: {r.max_wait_ms} ms — {r.reason}" for r in self.recommendations]
-        lines += [f"note: {note}" for note in self.notes]
+        return rows
+
+    def conclusions(self) -> list[str]:
+        """The recommendations, then the notes, one a line."""
+        lines = [f"{r.workload}: {r.max_wait_ms} ms — {r.reason}" for r in self.recommendations]
+        return lines + [f"note: {note}" for note in self.notes]
+
+    def markdown(self) -> str:
+        """The results as a Markdown table and the recommendations, one per line."""
+        lines = [
+            "| " + " | ".join(COLUMNS) + " |",
+            "|---|" + "---:|" * (len(COLUMNS) - 1),
+            *("| " + " | ".join(row) + " |" for row in self.cells()),
+            "",
+            *self.conclusions(),
+        ]
         return "\n".join(lines)
+
+
+COLUMNS: Final = (
+    "workload",
+    "max_wait_ms",
+    "throughput (req/s)",
+    "p50 (ms)",
+    "p99 (ms)",
+    "inputs per upstream call",
+    "gateway CPU",
+    "load generator CPU",
+    "errors",
+)
 
 
 def _usable(rows: Sequence[BatchingRow]) -> list[BatchingRow]:
