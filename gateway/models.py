@@ -41,6 +41,21 @@ class Usage:
     upstream_latency_ms: int | None = None  # the upstream's own timing of it (Bedrock's latencyMs)
 
 
+@dataclass(frozen=True, slots=True)
+class AttemptEnd:
+    """How one attempt ended, as its span records it (routing says it, telemetry writes it):
+    the outcome (`won`, `won:<error>`, `hedge_lost`, `error:<kind>`, ...), the error if it
+    failed, and what the upstream reported (None: not reported)."""
+
+    outcome: str
+    error_type: str | None = None
+    ttft_s: float | None = None
+    usage: Usage | None = None
+    output_tokens: int | None = None  # reported, else counted from the streamed text
+    finish_reasons: tuple[str, ...] = ()
+    response_model: str | None = None
+
+
 @dataclass(slots=True)
 class InBandError:
     """An error the upstream reported inside a 200 response or stream."""

@@ -20,6 +20,7 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Settings
+from gateway.models import AttemptEnd, Usage
 from gateway.telemetry import semconv as sc
 from gateway.telemetry import tracing_from_env
 from gateway.telemetry.tail import TailSampler, TailTrace
@@ -306,7 +307,7 @@ def test_slo_miss_and_slow_keep_a_trace_and_a_late_attempt_follows_it() -> None:
             operation="chat", model="m", provider="openai", address=None, hedge=False
         )
         trace.end(status=200, attributes=attributes, error_type=None)
-        trace.end_attempt(late, outcome="cancelled")
+        trace.end_attempt(late, AttemptEnd("cancelled"))
     names = [
         (s.name, dict(s.attributes or {}).get(sc.TG_SLOW)) for s in exporter.get_finished_spans()
     ]
@@ -331,11 +332,13 @@ def test_a_kept_trace_is_one_tree_under_the_client_parent() -> None:
     first, traceparent = trace.attempt(
         operation="chat", model="m", provider="openai", address="up:80", hedge=False
     )
-    trace.end_attempt(first, outcome="error:status_500", error_type="status_500")
+    trace.end_attempt(first, AttemptEnd("error:status_500", "status_500"))
     second, _ = trace.attempt(
         operation="chat", model="m", provider="openai", address=None, hedge=False
     )
-    trace.end_attempt(second, outcome="won", ttft_s=0.0123, input_tokens=7, output_tokens=3)
+    trace.end_attempt(
+        second, AttemptEnd("won", ttft_s=0.0123, usage=Usage(input_tokens=7), output_tokens=3)
+    )
     trace.end(status=200, attributes={sc.TG_ROUTE: "failover", sc.TG_ATTEMPTS: 2}, error_type=None)
     spans = exporter.get_finished_spans()
     root = next(s for s in spans if s.kind == SpanKind.SERVER)
@@ -360,6 +363,6 @@ def test_a_dropped_trace_reaches_no_processor() -> None:
         operation="chat", model="m", provider="openai", address=None, hedge=False
     )
     trace.end(status=200, attributes={sc.TG_ROUTE: "primary"}, error_type=None)
-    trace.end_attempt(span, outcome="won")
+    trace.end_attempt(span, AttemptEnd("won"))
     assert exporter.get_finished_spans() == ()
     assert tail.counts[("dropped", "rest")] == 1

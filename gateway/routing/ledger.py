@@ -11,14 +11,14 @@ Each first token, and each attempt cut without one, also teaches the TTFT predic
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.errors import InvalidRequestError
 from gateway.latency import BYTES_PER_TOKEN, CANCELLED, HEDGE_LOST, TTFT_DEADLINE, Recorder, Sample
 from gateway.latency.prompt_size import uncached_bytes
-from gateway.models import Call, Chunk, Usage
+from gateway.models import AttemptEnd, Call, Chunk, Usage
 from gateway.providers.request import Prepared, prepare
 from gateway.routing.guards import Guards
 from gateway.routing.plan import Budget, Candidate, Route
@@ -40,21 +40,7 @@ class AttemptTracer(Protocol):
 
     def capture_prompt(self, span: Any, body: Mapping[str, Any]) -> None: ...
 
-    def end_attempt(
-        self,
-        span: Any,
-        *,
-        outcome: str,
-        error_type: str | None = None,
-        ttft_s: float | None = None,
-        input_tokens: int | None = None,
-        output_tokens: int | None = None,
-        finish_reasons: Sequence[str] = (),
-        response_model: str | None = None,
-        cache_read_tokens: int | None = None,
-        cache_write_tokens: int | None = None,
-        upstream_latency_ms: int | None = None,
-    ) -> None: ...
+    def end_attempt(self, span: Any, end: AttemptEnd) -> None: ...
 
 
 class InflightTracker(Protocol):
@@ -389,11 +375,8 @@ class Ledger:
                 )
             if attempt.span is not None and self.trace is not None:
                 failed = outcome.startswith("error:")
-                self.trace.end_attempt(
-                    attempt.span,
-                    outcome=outcome,
-                    error_type=span_error or (outcome[6:] if failed else None),
-                )
+                error_type = span_error or (outcome[6:] if failed else None)
+                self.trace.end_attempt(attempt.span, AttemptEnd(outcome, error_type))
 
     def close_losers(self) -> None:
         """Close every attempt begun but the winner and the explored ones still being timed;
@@ -437,19 +420,16 @@ class Ledger:
             if self.opened is not None and span is not None and self.trace is not None:
                 tally = opened.tally
                 first = tally.first_token_at
-                self.trace.end_attempt(
-                    span,
-                    outcome="won" if error_type is None else f"won:{error_type}",
-                    error_type=error_type,
+                end = AttemptEnd(
+                    "won" if error_type is None else f"won:{error_type}",
+                    error_type,
                     ttft_s=first - opened.started if first is not None else None,
-                    input_tokens=tally.usage.input_tokens,
+                    usage=tally.usage,
                     output_tokens=tally.output_tokens,
-                    finish_reasons=tally.finish_reasons,
+                    finish_reasons=tuple(tally.finish_reasons),
                     response_model=opened.candidate.deployment.model,
-                    cache_read_tokens=tally.usage.cached_tokens,
-                    cache_write_tokens=tally.usage.cache_write_tokens,
-                    upstream_latency_ms=tally.usage.upstream_latency_ms,
                 )
+                self.trace.end_attempt(span, end)
             live.claims.release()
         finally:
             await opened.stream.aclose()

@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from gateway.models import AttemptEnd
 from gateway.telemetry import semconv as sc
 
 EXPORTED: Final = "exported"
@@ -191,10 +192,9 @@ class TailTrace:
             if text is not None:
                 span.attributes[sc.GEN_AI_INPUT_MESSAGES] = text
 
-    def end_attempt(self, span: Record, **outcome: Any) -> None:
-        error_type = outcome.get("error_type")
-        span.attributes.update(ended_attempt_attributes(**outcome))
-        span.failed = bool(error_type)
+    def end_attempt(self, span: Record, end: AttemptEnd) -> None:
+        span.attributes.update(ended_attempt_attributes(end))
+        span.failed = bool(end.error_type)
         span.end_ns = time.time_ns()
         if self._kept:  # ended after its request: it follows the request's decision
             self._sampler.export(self, [span])
@@ -250,34 +250,29 @@ def prompt_text(body: Mapping[str, Any]) -> str | None:
     return None if messages is None else orjson.dumps(messages).decode()[:_MAX_CONTENT]
 
 
-def ended_attempt_attributes(
-    *,
-    outcome: str,
-    error_type: str | None = None,
-    ttft_s: float | None = None,
-    input_tokens: int | None = None,
-    output_tokens: int | None = None,
-    finish_reasons: Sequence[str] = (),
-    response_model: str | None = None,
-    cache_read_tokens: int | None = None,
-    cache_write_tokens: int | None = None,
-    upstream_latency_ms: int | None = None,
-) -> dict[str, Any]:
+def ended_attempt_attributes(end: AttemptEnd) -> dict[str, Any]:
     """How an attempt ended and what the upstream reported (a count it did not report is left
     out; the cache counts are part of `input_tokens`)."""
-    attributes: dict[str, Any] = {sc.TG_ATTEMPT_OUTCOME: outcome}
-    if ttft_s is not None:
-        attributes[sc.TG_TTFT_MS] = round(ttft_s * 1000, 3)
-    if input_tokens is not None:
-        attributes[sc.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
-    if output_tokens is not None:
-        attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
-    if cache_read_tokens is not None:
-        attributes[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = cache_read_tokens
-    if cache_write_tokens is not None:
-        attributes[sc.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS] = cache_write_tokens
-    if upstream_latency_ms is not None:
-        attributes[sc.TG_UPSTREAM_LATENCY_MS] = upstream_latency_ms
+    attributes: dict[str, Any] = {sc.TG_ATTEMPT_OUTCOME: end.outcome}
+    usage = end.usage
+    if end.ttft_s is not None:
+        attributes[sc.TG_TTFT_MS] = round(end.ttft_s * 1000, 3)
+    if usage is not None and usage.input_tokens is not None:
+        attributes[sc.GEN_AI_USAGE_INPUT_TOKENS] = usage.input_tokens
+    if end.output_tokens is not None:
+        attributes[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = end.output_tokens
+    if usage is not None:
+        if usage.cached_tokens is not None:
+            attributes[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = usage.cached_tokens
+        if usage.cache_write_tokens is not None:
+            attributes[sc.GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS] = usage.cache_write_tokens
+        if usage.upstream_latency_ms is not None:
+            attributes[sc.TG_UPSTREAM_LATENCY_MS] = usage.upstream_latency_ms
+    finish_reasons, response_model, error_type = (
+        end.finish_reasons,
+        end.response_model,
+        end.error_type,
+    )
     if finish_reasons:
         # The upstream's words: a few, each bounded (and a string, whatever it sent).
         attributes[sc.GEN_AI_RESPONSE_FINISH_REASONS] = [

@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from gateway.models import AttemptEnd
 from gateway.telemetry import semconv as sc
 from gateway.telemetry.tail import (
     TailSampler,
@@ -85,7 +86,7 @@ class RequestTrace(Protocol):
         """Record the prompt on an attempt span, only when content capture is enabled."""
         ...
 
-    def end_attempt(self, span: Any, **outcome: Any) -> None:
+    def end_attempt(self, span: Any, end: AttemptEnd) -> None:
         """End an attempt's span with how it ended (see `ended_attempt_attributes`)."""
         ...
 
@@ -198,11 +199,11 @@ class HeadTrace:
             if text is not None:
                 span.set_attribute(sc.GEN_AI_INPUT_MESSAGES, text)
 
-    def end_attempt(self, span: Span, **outcome: Any) -> None:
-        if outcome.get("error_type"):
+    def end_attempt(self, span: Span, end: AttemptEnd) -> None:
+        if end.error_type:
             span.set_status(Status(StatusCode.ERROR))
         # One set_attributes call: each set_attribute takes the span's lock.
-        span.set_attributes(ended_attempt_attributes(**outcome))
+        span.set_attributes(ended_attempt_attributes(end))
         span.end()
 
     def end(self, *, status: int, attributes: Mapping[str, Any], error_type: str | None) -> None:
