@@ -27,7 +27,15 @@ LIBRARY_OWNERS = {
     "uvicorn": {"gateway.cli.serve", "gateway.sim.server", "gateway.protocol", "gateway.handoff"},
     "httptools": {"gateway.protocol", "gateway.tools.load"},
     "httpx": set(),
-    "aiohttp": {"gateway.providers.http", "gateway.providers.vllm", "gateway.tools.probe"},
+    "aiohttp": {
+        "gateway.providers.http",
+        "gateway.providers.vllm",
+        "gateway.providers.gemini",
+        "gateway.providers.vertex",
+        "gateway.tools.probe",
+    },
+    "google": {"gateway.providers.vertex_auth"},
+    "requests": {"gateway.providers.vertex_auth"},
     "redis": {
         "gateway.redis",
         "gateway.latency.redis_store",

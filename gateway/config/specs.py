@@ -11,13 +11,14 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from gateway.config.cloud_google import check_google
 from gateway.sim.profile import SimProfile
 
 DEFAULT_CONFIG_PATH = "config/gateway.yaml"
 CONFIG_PATH_ENV = "TAILGUARD_CONFIG"
 LOG_LEVEL_ENV = "TAILGUARD_LOG_LEVEL"  # how `serve --workers N` passes --log-level on
 
-ProviderType = Literal["openai", "vllm", "anthropic", "simulated"]
+ProviderType = Literal["openai", "vllm", "anthropic", "simulated", "gemini", "vertex"]
 Priority = Literal["interactive", "bulk"]
 OnTTFTMiss = Literal["failover", "hedge", "none"]
 OnTotalMiss = Literal["finish", "cut"]
@@ -114,9 +115,11 @@ class ProviderSpec(_Spec):
     """An upstream endpoint plus its credentials and limits."""
 
     type: ProviderType
-    """`openai`, `vllm`, `anthropic` or `simulated` (in-process)."""
+    """`openai`, `vllm`, `anthropic`, `simulated` (in-process), `gemini` (the Gemini API) or
+    `vertex` (Vertex AI)."""
     base_url: str | None = None
-    """OpenAI-compatible: include `/v1`; Anthropic: without. Absent for `simulated`."""
+    """OpenAI-compatible: include `/v1`; Anthropic: without. Absent for `simulated`; optional
+    for `gemini` and `vertex` (their Google endpoints)."""
     api_key: SecretStr | None = None
     """The upstream's credential (use `${VAR}`)."""
     headers: dict[str, SecretStr] = Field(
@@ -179,6 +182,17 @@ class ProviderSpec(_Spec):
     """simulated only: the profile of a model not named in `profiles`."""
     seed: int | None = None
     """simulated only: makes runs reproducible."""
+    # Google (gemini, vertex) only
+    project: str | None = None
+    """vertex only: the Google Cloud project id."""
+    location: str | None = None
+    """vertex only: the region (`us-central1`, `europe-west4`, ...) or `global`."""
+    credentials_file: str | None = None
+    """vertex only: a service-account JSON key file; absent, Application Default Credentials
+    (`GOOGLE_APPLICATION_CREDENTIALS`, gcloud's login, the metadata server)."""
+    publisher: Literal["google", "anthropic"] = "google"
+    """vertex only: `google` (Gemini models, through the chat wire) or `anthropic` (Claude
+    models, through the Messages wire)."""
 
     @model_validator(mode="after")
     def _check_kind(self) -> ProviderSpec:
@@ -188,11 +202,16 @@ class ProviderSpec(_Spec):
             raise ValueError("responses: native is for providers of type openai")
         if self.metrics_url is not None and self.type != "vllm":
             raise ValueError("metrics_url is for providers of type vllm")
+        check_google(self)
         if self.type == "simulated":
             if self.base_url is not None:
                 raise ValueError("a simulated provider runs in-process and takes no base_url")
             return self
+        if self.profiles or self.default_profile is not None or self.seed is not None:
+            raise ValueError("profiles, default_profile and seed apply to simulated providers only")
         if self.base_url is None:
+            if self.type in ("gemini", "vertex"):
+                return self  # the cloud's own endpoint
             raise ValueError(f"base_url is required for a provider of type {self.type!r}")
 
         parts = urlsplit(self.base_url)
@@ -200,8 +219,6 @@ class ProviderSpec(_Spec):
             raise ValueError("base_url must be an http:// or https:// URL with a host")
         if parts.query or parts.fragment:
             raise ValueError("base_url must not carry a query or fragment")
-        if self.profiles or self.default_profile is not None or self.seed is not None:
-            raise ValueError("profiles, default_profile and seed apply to simulated providers only")
         return self
 
 
