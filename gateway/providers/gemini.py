@@ -16,6 +16,7 @@ UNAVAILABLE cool the deployment down and fail over (a `RetryInfo.retryDelay` is 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import quote, urlsplit
 
@@ -35,64 +36,81 @@ from gateway.scrubbing import Scrubber
 from gateway.sse import SSEFramingError, SSEParser, frame
 
 GEMINI_API: Final = "https://generativelanguage.googleapis.com"
-_DURATION_UNITS: Final = {"s": 1.0, "ms": 0.001}
+_CREDENTIAL_REASONS: Final = frozenset({"API_KEY_INVALID", "API_KEY_EXPIRED"})
 
 
-def google_error(body: bytes, scrub: Scrubber) -> tuple[str, str | None, float | None] | None:
-    """A Google API error body → (message, status such as RESOURCE_EXHAUSTED, the retry delay
-    its RetryInfo asks for); None when the body is not one. Strings come back scrubbed."""
+@dataclass(frozen=True, slots=True)
+class GoogleError:
+    """A Google API error body's useful fields, scrubbed."""
+
+    message: str
+    status: str | None  # RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ...
+    retry_s: float | None  # what its RetryInfo asks for
+    reasons: frozenset[str]  # its ErrorInfo reasons (API_KEY_INVALID, ...)
+
+
+def google_error(body: bytes, scrub: Scrubber) -> GoogleError | None:
+    """A Google API error body (`{"error": {...}}`, or that inside a one-element array, as
+    streaming endpoints send it); None when the body is not one."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    if isinstance(parsed, list) and parsed:  # streaming endpoints wrap it in an array
+    if isinstance(parsed, list) and parsed:
         parsed = parsed[0]
     error = parsed.get("error") if isinstance(parsed, dict) else None
     if not isinstance(error, dict):
         return None
     status = error.get("status")
     delay = None
+    reasons: set[str] = set()
     for detail in error.get("details") or ():
-        if isinstance(detail, dict) and str(detail.get("@type", "")).endswith("RetryInfo"):
+        if not isinstance(detail, dict):
+            continue
+        kind = str(detail.get("@type", ""))
+        if kind.endswith("RetryInfo"):
             delay = _duration(detail.get("retryDelay"))
-    return (
+        elif kind.endswith("ErrorInfo") and isinstance(detail.get("reason"), str):
+            reasons.add(detail["reason"])
+    return GoogleError(
         scrub.bounded(str(error.get("message") or "no error message"), 500),
         scrub.bounded(status, 64) if isinstance(status, str) else None,
         delay,
+        frozenset(reasons),
     )
 
 
 def _duration(value: object) -> float | None:
     """A protobuf Duration as JSON ("30s", "1.5s") in seconds."""
-    if not isinstance(value, str):
+    if not isinstance(value, str) or not value.endswith("s"):
         return None
-    for unit in ("ms", "s"):
-        if value.endswith(unit):
-            try:
-                return float(value[: -len(unit)]) * _DURATION_UNITS[unit]
-            except ValueError:
-                return None
-    return None
+    try:
+        return float(value[:-1])
+    except ValueError:
+        return None
 
 
 def google_status_error(
     deployment: str, status: int, headers: Mapping[str, str], body: bytes, scrub: Scrubber
 ) -> ProviderError:
-    """An error status from a Google endpoint, through the gateway's status table."""
+    """An error status from a Google endpoint, through the gateway's status table. The Gemini
+    API answers a wrong key with a 400 (reason API_KEY_INVALID): that is a credential failure,
+    not the client's bad request."""
     found = google_error(body, scrub)
     if found is None:
         text = scrub.bounded(body[:800].decode("utf-8", "replace"), 300)
-        return upstream_error(
-            deployment=deployment,
-            status=status,
-            detail=" ".join(text.split()) or "no error body",
-            headers=headers,
-        )
-    message, code, delay = found
-    if delay is not None and "retry-after" not in headers:
-        headers = {**headers, "retry-after": str(max(1, round(delay)))}
+        detail = " ".join(text.split()) or "no error body"
+        return upstream_error(deployment=deployment, status=status, detail=detail, headers=headers)
+    if found.reasons & _CREDENTIAL_REASONS:
+        status = 401
+    if found.retry_s is not None and "retry-after" not in headers:
+        headers = {**headers, "retry-after": str(max(1, round(found.retry_s)))}
     return upstream_error(
-        deployment=deployment, status=status, detail=message, headers=headers, upstream_code=code
+        deployment=deployment,
+        status=status,
+        detail=found.message,
+        headers=headers,
+        upstream_code=found.status,
     )
 
 

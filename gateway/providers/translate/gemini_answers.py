@@ -123,6 +123,7 @@ def gemini_response_to_chat(data: dict[str, Any], *, model: str) -> dict[str, An
         message: dict[str, Any] = {
             "role": "assistant",
             "content": "".join(text) if text or not calls else None,
+            "refusal": None,
         }
         if thoughts:
             message["reasoning_content"] = "".join(thoughts)
@@ -137,7 +138,7 @@ def gemini_response_to_chat(data: dict[str, Any], *, model: str) -> dict[str, An
             {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
         )
     if not choices:  # the prompt itself was blocked (promptFeedback.blockReason)
-        message = {"role": "assistant", "content": None}
+        message = {"role": "assistant", "content": None, "refusal": None}
         choices.append(
             {"index": 0, "message": message, "logprobs": None, "finish_reason": "content_filter"}
         )
