@@ -321,7 +321,7 @@ class GeminiFake:
         if bool(body.get("stream")) != stream:
             raise GoogleError(400, "stream must match the method (streamRawPredict)")
         forwarded = {k: v for k, v in body.items() if k != "anthropic_version"}
-        forwarded["model"] = model
+        forwarded["model"] = re.sub(r"@\d{8}$", "", model)  # Vertex's version id, not a script
         data = orjson.dumps(forwarded)
         sent = False
 

@@ -4,7 +4,7 @@
 key (as the Cloud console would hand one out), pointing its `token_uri` at the fake. The fake
 takes the JWT-bearer grant (RFC 7523) google-auth sends: `grant_type=urn:ietf:params:oauth:
 grant-type:jwt-bearer&assertion=<JWT>`; it verifies the assertion's RS256 signature with the
-account's public key and its claims (`iss` the account's email, `aud` the token URI, a
+account's public key and its claims (`iss` the account's email, `aud` Google's token endpoint, a
 `cloud-platform` scope, a current `iat`/`exp`), then issues an access token living `lifetime_s`.
 A bad assertion gets Google's `400 {"error": "invalid_grant", ...}`.
 
@@ -35,12 +35,15 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 JWT_BEARER = "urn:ietf:params:oauth:grant-type:jwt-bearer"
 CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
+# What google-auth signs as `aud`, whichever token_uri the file names: Google's own endpoint.
+GOOGLE_TOKEN_AUDIENCE = "https://oauth2.googleapis.com/token"
 
 
 @dataclass
 class ServiceAccount:
     path: Path
     email: str
+    token_uri: str
     public_key: rsa.RSAPublicKey
     private_key_pem: str  # what must never leave the gateway
 
@@ -64,7 +67,7 @@ def make_service_account(path: Path, token_uri: str) -> ServiceAccount:
         "token_uri": token_uri,
     }
     path.write_text(json.dumps(info))
-    return ServiceAccount(path, email, key.public_key(), pem)
+    return ServiceAccount(path, email, token_uri, key.public_key(), pem)
 
 
 def _b64(data: str) -> bytes:
@@ -92,7 +95,7 @@ class TokenEndpoint:
         async with self._changed:
             await self._changed.wait_for(lambda: predicate(self))
 
-    def _check(self, assertion: str, audience: str) -> str | None:
+    def _check(self, assertion: str) -> str | None:
         """What is wrong with the assertion; None when it is good."""
         assert self.account is not None
         try:
@@ -112,7 +115,7 @@ class TokenEndpoint:
         now = time.time()
         if payload.get("iss") != self.account.email:
             return "Invalid issuer"
-        if payload.get("aud") != audience:
+        if payload.get("aud") != GOOGLE_TOKEN_AUDIENCE:
             return "Invalid audience"
         if CLOUD_PLATFORM not in str(payload.get("scope", "")).split():
             return "Invalid scope"
@@ -136,10 +139,8 @@ class TokenEndpoint:
             if not message.get("more_body"):
                 break
         form = {k: v[0] for k, v in parse_qs(raw.decode()).items()}
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        audience = f"http://{headers.get('host')}{scope['path']}"
         problem = "unsupported grant_type" if form.get("grant_type") != JWT_BEARER else None
-        problem = problem or self._check(form.get("assertion", ""), audience)
+        problem = problem or self._check(form.get("assertion", ""))
         if problem is not None:
             self.rejected += 1
             status = 400
