@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from gateway.cli import app
 from tests.conftest import serve
 from tests.fakes.anthropic_upstream import answer_text
 from tests.fakes.gemini_upstream import GeminiFake
@@ -265,3 +267,90 @@ async def test_the_same_model_on_two_clouds_hedges(google: Google) -> None:
         if ch != "[DONE]" and ch["choices"]
     )
     assert text == answer_text(5)
+
+
+# --- check-config --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("provider", "message"),
+    [
+        (
+            "{type: gemini}",
+            "a gemini provider needs api_key: the Gemini API key, sent as x-goog-api-key "
+            "(write api_key: ${GEMINI_API_KEY})",
+        ),
+        (
+            "{type: vertex, location: us-central1}",
+            "a vertex provider needs project: the Google Cloud project id",
+        ),
+        (
+            "{type: vertex, project: My_Project, location: us-central1}",
+            "project 'My_Project' is not a Google Cloud project id (6 to 30 lowercase letters, "
+            "digits and hyphens, e.g. my-project-123)",
+        ),
+        (
+            "{type: vertex, project: my-project-123}",
+            "a vertex provider needs location: a region such as us-central1, or global",
+        ),
+        (
+            "{type: vertex, project: my-project-123, location: Mars}",
+            "location 'Mars' is not a Vertex AI location (a region such as us-central1 or "
+            "europe-west4, or global)",
+        ),
+        (
+            "{type: vertex, project: my-project-123, location: global, credentials_file: /no.json}",
+            "credentials_file '/no.json' is not a file (a service-account JSON key; leave it out "
+            "to use Application Default Credentials)",
+        ),
+        (
+            "{type: vertex, project: my-project-123, location: global, api_key: AIza-SECRET-1}",
+            "a vertex provider takes no api_key: it authenticates with OAuth2, from "
+            "credentials_file (a service-account JSON key) or Application Default Credentials",
+        ),
+        (
+            "{type: gemini, api_key: AIza-SECRET-1, project: p, location: global}",
+            "project and location are for providers of type vertex",
+        ),
+    ],
+    ids=[
+        "gemini-key",
+        "project",
+        "project-form",
+        "location",
+        "location-form",
+        "credentials-file",
+        "vertex-key",
+        "vertex-keys-elsewhere",
+    ],
+)
+def test_check_config_explains_the_google_keys(tmp_path: Path, provider: str, message: str) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        f"providers:\n  up: {provider}\nmodels:\n  - name: m\n"
+        "    deployments: [{provider: up, model: gemini-2.5-flash}]\n"
+    )
+    result = CliRunner().invoke(app, ["check-config", "--config", str(path)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {path}:2: providers.up: {message}"
+    assert "SECRET" not in result.stdout + result.stderr
+
+
+def test_check_config_shows_where_google_providers_send(google: Google) -> None:
+    path = google.account.path.parent / "gateway.yaml"
+    path.write_text(
+        "providers:\n"
+        "  g: {type: gemini, api_key: AIza-SECRET-1}\n"
+        f"  v: {{type: vertex, project: {PROJECT}, location: europe-west4, "
+        f"credentials_file: {google.account.path}}}\n"
+        "models:\n  - name: m\n"
+        "    deployments: [{provider: g, model: gemini-2.5-flash},\n"
+        "                  {provider: v, model: gemini-2.5-flash}]\n"
+    )
+    result = CliRunner().invoke(app, ["check-config", "--config", str(path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    shown = json.loads(result.stdout)["providers"]
+    assert shown["g"]["base_url"] == "https://generativelanguage.googleapis.com"
+    assert shown["v"]["base_url"] == "https://europe-west4-aiplatform.googleapis.com"
+    assert "SECRET" not in result.stdout
+    assert google.account.private_key_pem.splitlines()[1] not in result.stdout

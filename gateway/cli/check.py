@@ -21,7 +21,8 @@ from gateway.cli.common import (
     redact_url,
     without_userinfo,
 )
-from gateway.config import Settings, config_path
+from gateway.config import ProviderSpec, Settings, config_path
+from gateway.config.cloud_google import google_base_url
 from gateway.models import Endpoint
 
 
@@ -60,7 +61,8 @@ def check_config(
         providers.add_column(column)
     for name, spec in settings.providers.items():
         key = "set (hidden)" if spec.api_key and spec.api_key.get_secret_value() else "-"
-        providers.add_row(escape(name), spec.type, escape(without_userinfo(spec.base_url)), key)
+        url = spec.base_url or google_base_url(spec)
+        providers.add_row(escape(name), spec.type, escape(without_userinfo(url)), key)
     models = Table(title="Models", title_justify="left")
     for column in ("model", "deployments", "budget", "fallbacks", "on_ttft_miss"):
         models.add_column(column)
@@ -205,7 +207,7 @@ def _explain(settings: Settings, path: Path) -> dict[str, Any]:
         "providers": {
             name: {
                 "type": spec.type,
-                "base_url": None if spec.base_url is None else redact_url(spec.base_url),
+                "base_url": _shown_url(spec),
                 "api_key": "set" if spec.api_key and spec.api_key.get_secret_value() else "not set",
                 "headers": sorted(spec.headers),  # names only: the values are secrets
                 "endpoints": [e for e in _ENDPOINTS if can_serve(providers[name], e)],
@@ -313,3 +315,9 @@ def _explain_lines(report: dict[str, Any]) -> list[str]:
         f"server {server['host']}:{server['port']}, {server['workers']} worker(s); "
         f"{report['auth']['summary']}",
     ]
+
+
+def _shown_url(spec: ProviderSpec) -> str | None:
+    """Where the provider's requests go (a cloud's own endpoint when it sets none), masked."""
+    url = spec.base_url or google_base_url(spec)
+    return None if url is None else redact_url(url)

@@ -9,9 +9,23 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     from gateway.config.specs import ProviderSpec
 
+GEMINI_API: Final = "https://generativelanguage.googleapis.com"
+
 _LOCATION: Final = re.compile(r"^(global|[a-z]+(-[a-z0-9]+)+)$")
 # Project ids are 6-30 lowercase letters, digits and hyphens; older ones may be domain-scoped.
 _PROJECT: Final = re.compile(r"^([a-z][a-z0-9.\-]*:)?[a-z][a-z0-9\-]{4,28}[a-z0-9]$")
+
+
+def google_base_url(spec: ProviderSpec) -> str | None:
+    """Where a gemini or vertex provider without `base_url` sends its requests (None for the
+    other types): the Gemini API, or Vertex's regional (or global) endpoint."""
+    if spec.type == "gemini":
+        return GEMINI_API
+    if spec.type == "vertex":
+        if spec.location in (None, "global"):
+            return "https://aiplatform.googleapis.com"
+        return f"https://{spec.location}-aiplatform.googleapis.com"
+    return None
 
 
 def check_google(spec: ProviderSpec) -> None:
@@ -23,7 +37,8 @@ def check_google(spec: ProviderSpec) -> None:
         vertex_keys.append("publisher")
     if spec.type != "vertex":
         if vertex_keys:
-            raise ValueError(f"{', '.join(vertex_keys)}: for providers of type vertex only")
+            verb = "is" if len(vertex_keys) == 1 else "are"
+            raise ValueError(f"{' and '.join(vertex_keys)} {verb} for providers of type vertex")
         if spec.type == "gemini" and spec.api_key is None:
             raise ValueError(
                 "a gemini provider needs api_key: the Gemini API key, sent as x-goog-api-key "

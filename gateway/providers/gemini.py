@@ -24,6 +24,7 @@ import aiohttp
 import orjson
 
 from gateway.config import ProviderSpec
+from gateway.config.cloud_google import google_base_url
 from gateway.errors import ProviderError, ProviderRejectedError, upstream_error
 from gateway.models import Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import MAX_ERROR_BYTES, MAX_RESPONSE_BYTES, ChunkStream, stream_limits
@@ -35,7 +36,6 @@ from gateway.providers.translate.shapes import TranslationError
 from gateway.scrubbing import Scrubber
 from gateway.sse import SSEFramingError, SSEParser, frame
 
-GEMINI_API: Final = "https://generativelanguage.googleapis.com"
 _CREDENTIAL_REASONS: Final = frozenset({"API_KEY_INVALID", "API_KEY_EXPIRED"})
 
 
@@ -200,15 +200,12 @@ class GeminiProvider:
         self.bulk_priority: int | None = None
         self.limits = stream_limits(spec)
         self.session = session
-        self.base = (spec.base_url or self.default_base_url(spec)).rstrip("/")
+        self.base = (spec.base_url or google_base_url(spec) or "").rstrip("/")
         self.address = urlsplit(self.base).hostname
         self._extra = {k.lower(): v.get_secret_value() for k, v in spec.headers.items()}
         self._key = spec.api_key.get_secret_value() if spec.api_key else None
         self._secrets = [*self._extra.values(), *([self._key] if self._key else [])]
         self.scrub = Scrubber.of(self._secrets)
-
-    def default_base_url(self, spec: ProviderSpec) -> str:
-        return GEMINI_API
 
     def url(self, model: str, stream: bool) -> str:
         method = "streamGenerateContent?alt=sse" if stream else "generateContent"

@@ -33,12 +33,6 @@ from gateway.scrubbing import Scrubber
 VERTEX_ANTHROPIC_VERSION: Final = "vertex-2023-10-16"
 
 
-def vertex_base_url(location: str) -> str:
-    if location == "global":
-        return "https://aiplatform.googleapis.com"
-    return f"https://{location}-aiplatform.googleapis.com"
-
-
 class VertexGemini(GeminiProvider):
     """Gemini models on Vertex AI: the Gemini API's translation, Vertex's URLs and OAuth2."""
 
@@ -60,9 +54,6 @@ class VertexGemini(GeminiProvider):
             f"{quote(spec.location, safe='')}/publishers/{self.publisher}/models/"
         )
         self._seen: tuple[str, ...] = ()  # the tokens the scrubber knows
-
-    def default_base_url(self, spec: ProviderSpec) -> str:
-        return vertex_base_url(spec.location or "global")
 
     def url(self, model: str, stream: bool) -> str:
         method = "streamGenerateContent?alt=sse" if stream else "generateContent"
