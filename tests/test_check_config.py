@@ -32,11 +32,19 @@ SECRETS = {
     "ANTHROPIC_API_KEY": "sk-ant-SECRET-456",
     "VLLM_API_KEY": "vllm-SECRET-789",
     "REDIS_URL": "redis://:redis-SECRET-000@10.0.0.5:6379/0",
+    "GEMINI_API_KEY": "AIza-test-SECRET-321",
+    "GOOGLE_CLOUD_PROJECT": "my-project-123",
 }
 
 
 def secret_values() -> list[str]:
-    return ["sk-test-SECRET-123", "sk-ant-SECRET-456", "vllm-SECRET-789", "redis-SECRET-000"]
+    return [
+        "sk-test-SECRET-123",
+        "sk-ant-SECRET-456",
+        "vllm-SECRET-789",
+        "redis-SECRET-000",
+        "AIza-test-SECRET-321",
+    ]
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -442,7 +450,7 @@ models:
         (
             {"TAILGUARD_PROVIDERS": '{"sim": {"type": "simulted"}}'},
             "error: TAILGUARD_PROVIDERS: providers.sim.type: Input should be 'openai', 'vllm', "
-            "'anthropic' or 'simulated'",
+            "'anthropic', 'simulated', 'gemini' or 'vertex'",
         ),
         (
             {"TAILGUARD_PROVIDERS__SIM__API_KEYY": "sk-SECRET-9"},

@@ -111,7 +111,7 @@ def chat_request_to_gemini(body: dict[str, Any], model: str) -> dict[str, Any]:
     if tools:
         out["tools"] = [{"functionDeclarations": _declarations(tools)}]
     choice = body.get("tool_choice")
-    if choice is not None and (tools or choice == "none"):
+    if choice is not None and tools:
         out["toolConfig"] = {"functionCallingConfig": _tool_choice(choice)}
     config = _generation_config(body, model)
     if config:
