@@ -12,6 +12,7 @@ import pytest
 
 from gateway.providers.translate.gemini import chat_request_to_gemini
 from gateway.providers.translate.gemini_answers import GeminiToChatStream
+from gateway.scrubbing import Scrubber
 from tests.conftest import serve
 from tests.fakes.gemini_upstream import THOUGHT, GeminiFake
 from tests.google_harness import (
@@ -282,6 +283,33 @@ async def test_unavailable_fails_over(fake: tuple[GeminiFake, str]) -> None:
         raw = await c.openai.chat.completions.with_raw_response.create(model="g", messages=CHAT)
     assert raw.headers["x-tailguard-deployment"] == "local/m"
     assert raw.headers["x-tailguard-route"] == "error_fallback"
+
+
+async def test_an_error_inside_the_stream_before_content_fails_over(
+    fake: tuple[GeminiFake, str],
+) -> None:
+    """An error event in a 200 stream, before any content, is a failover: the client sees only
+    the fallback's answer."""
+    async with gemini(
+        fake,
+        model("g", "gemini/gemini-2.5-flash@inband_unavailable", fallbacks=["backup"]),
+        model("backup", "gemini/gemini-2.5-flash@words=3"),
+    ) as c:
+        raw = await c.post("/v1/chat/completions", {"model": "g", "messages": CHAT, "stream": True})
+    assert raw.headers["x-tailguard-route"] == "error_fallback"
+    validate_stream("chat", raw.content)
+    text = "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in sse(raw.content) if e != "[DONE]"
+    )
+    assert text == "Hello from the"
+
+
+def test_google_credentials_are_scrubbed_wherever_they_appear() -> None:
+    """A Google OAuth token or API key is masked in any upstream text, configured or not."""
+    text = "token ya29.a0AfB_byC-secret-token.part and key AIzaSyA1b2C3d4E5f6G7h8I9j0KlMnOpQrStUv"
+    cleaned = Scrubber.GENERIC(text)
+    assert "secret-token" not in cleaned and "SyA1b2" not in cleaned
+    assert cleaned == "token ya29.*** and key AIza***"
 
 
 async def test_invalid_argument_is_the_clients_400_on_its_wire(

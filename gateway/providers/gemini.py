@@ -164,9 +164,18 @@ class _GeminiReader:
         if self._done:
             return b""
         self._done = True
-        body = b""
-        while len(body) <= MAX_RESPONSE_BYTES and (piece := await self._body.read()):
-            body += piece
+        pieces: list[bytes] = []
+        size = 0
+        while piece := await self._body.read():
+            size += len(piece)
+            if size > MAX_RESPONSE_BYTES:
+                raise ProviderError(
+                    f"response larger than {MAX_RESPONSE_BYTES} bytes",
+                    deployment=self._deployment,
+                    kind="invalid_response",
+                )
+            pieces.append(piece)
+        body = b"".join(pieces)
         try:
             data = parse_object(body, "response body")
         except UpstreamProtocolError as exc:

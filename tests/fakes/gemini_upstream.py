@@ -39,6 +39,8 @@ the last `@`):
   503 UNAVAILABLE, 400 INVALID_ARGUMENT, 401 UNAUTHENTICATED echoing the credential it got,
   the worst case for a gateway that forwards error text).
 - `slow_ms=N`: N ms before every event (before a whole answer).
+- `inband_unavailable`: a 200 stream whose only event is an error (503 UNAVAILABLE), as Google
+  sends one that fails after the response began.
 
 Every request is recorded (`requests`); `wait_for(predicate)` returns once it holds.
 """
@@ -144,6 +146,7 @@ class Script:
     blocked: bool = False
     status: int | None = None
     slow_ms: float = 0.0
+    inband_unavailable: bool = False
 
 
 def parse_script(model: str) -> Script:
@@ -153,7 +156,7 @@ def parse_script(model: str) -> Script:
         return script
     for directive in filter(None, spec.split(",")):
         key, eq, value = directive.partition("=")
-        if not eq and key in ("tool", "thinking", "safety", "blocked"):
+        if not eq and key in ("tool", "thinking", "safety", "blocked", "inband_unavailable"):
             setattr(script, key, True)
         elif eq and key in ("words", "cached", "status", "slow_ms"):
             setattr(script, key, float(value) if key == "slow_ms" else int(value))
@@ -230,6 +233,8 @@ class GeminiFake:
                 credential = headers.get("x-goog-api-key") or headers.get("authorization", "")
                 raise self._scripted(script.status, credential)
             events = self._answer(script, body, model, vertex)
+            if script.inband_unavailable and stream:
+                events = [orjson.loads(GoogleError(503, "The service is unavailable.").body())]
         except GoogleError as error:
             await _respond(send, error.status, error.body())
             return
