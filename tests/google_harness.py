@@ -159,12 +159,18 @@ async def chat_tool_round_trip(c: Clients, name: str, *, stream: bool) -> None:
         ],
     }
     tool = {"role": "tool", "tool_call_id": call["id"], "content": WEATHER}
-    second = await c.openai.chat.completions.create(
-        model=name,
-        messages=[*CHAT, assistant, tool],  # type: ignore[list-item]
-        tools=[WEATHER_TOOL],
-    )
-    assert (second.choices[0].message.content or "").split() == AFTER_TOOL_TEXT.split()
+    conversation: list[Any] = [*CHAT, assistant, tool]
+    if stream:  # the SDK's own stream reader over the translated chunks
+        reply = await c.openai.chat.completions.create(
+            model=name, messages=conversation, tools=[WEATHER_TOOL], stream=True
+        )
+        text = "".join([ch.choices[0].delta.content or "" async for ch in reply if ch.choices])
+    else:
+        second = await c.openai.chat.completions.create(
+            model=name, messages=conversation, tools=[WEATHER_TOOL]
+        )
+        text = second.choices[0].message.content or ""
+    assert text.split() == AFTER_TOOL_TEXT.split()
 
 
 async def responses_tool_round_trip(c: Clients, name: str, *, stream: bool) -> None:
@@ -182,13 +188,17 @@ async def responses_tool_round_trip(c: Clients, name: str, *, stream: bool) -> N
     (call,) = [item for item in output if item["type"] == "function_call"]
     assert json.loads(call["arguments"]) == TOOL_ARGS
     result = {"type": "function_call_output", "call_id": call["call_id"], "output": WEATHER}
-    second = await c.openai.responses.create(
-        model=name,
-        input=[call, result],  # type: ignore[list-item]
-        tools=[RESPONSES_TOOL],  # type: ignore[list-item]
-        store=False,
-    )
-    assert second.output_text.split() == AFTER_TOOL_TEXT.split()
+    items: list[Any] = [call, result]
+    tools: list[Any] = [RESPONSES_TOOL]
+    if stream:
+        events = await c.openai.responses.create(
+            model=name, input=items, tools=tools, store=False, stream=True
+        )
+        text = "".join([e.delta async for e in events if e.type == "response.output_text.delta"])
+    else:
+        second = await c.openai.responses.create(model=name, input=items, tools=tools, store=False)
+        text = second.output_text
+    assert text.split() == AFTER_TOOL_TEXT.split()
 
 
 async def messages_tool_round_trip(
@@ -235,11 +245,15 @@ async def messages_tool_round_trip(
             "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": WEATHER}],
         },
     ]
-    followed = await c.anthropic.messages.create(
-        model=name,
-        max_tokens=200,
-        tools=[MESSAGES_TOOL],  # type: ignore[list-item]
-        messages=conversation,
-    )
-    text = "".join(b.text for b in followed.content if b.type == "text")
+    tools: list[Any] = [MESSAGES_TOOL]
+    if stream:
+        async with c.anthropic.messages.stream(
+            model=name, max_tokens=200, tools=tools, messages=conversation
+        ) as reader:
+            text = await reader.get_final_text()
+    else:
+        followed = await c.anthropic.messages.create(
+            model=name, max_tokens=200, tools=tools, messages=conversation
+        )
+        text = "".join(b.text for b in followed.content if b.type == "text")
     assert text.split() == AFTER_TOOL_TEXT.split()

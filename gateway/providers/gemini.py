@@ -160,6 +160,9 @@ class _GeminiReader:
             return frame(orjson.dumps({"error": _chat_error(error)}))
         return self._stream.feed(data)
 
+    async def close(self) -> None:
+        await self._body.close()
+
     async def read_body(self) -> bytes:
         if self._done:
             return b""
@@ -255,7 +258,7 @@ class GeminiProvider:
             wire="openai",
             streaming=request.stream,
             read=reader.read_stream if request.stream else reader.read_body,
-            close=reader._body.close,
+            close=reader.close,
             translate=lambda exc: self.error(deployment, exc),
             scrub=self.scrub,
             status=response.status,
