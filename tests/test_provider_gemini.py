@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.providers.translate.gemini import chat_request_to_gemini
-from gateway.providers.translate.gemini_answers import GeminiToChatStream
+from gateway.providers.translate.gemini_answers import GeminiToChatStream, gemini_response_to_chat
 from gateway.scrubbing import Scrubber
 from tests.conftest import serve
 from tests.fakes.gemini_upstream import THOUGHT, GeminiFake
@@ -389,3 +389,35 @@ def test_untranslatable_requests_are_refused_naming_the_field() -> None:
     assert caught.value.param == "tools[0].type"
     with pytest.raises(TranslationError):
         chat_request_to_gemini({"messages": [{"role": "tool", "tool_call_id": "nope"}]}, "m")
+
+
+def test_candidates_are_choices_whole_and_streamed() -> None:
+    """`n` asks for candidates; each candidate is the choice of its index, with its own finish."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2}
+    assert chat_request_to_gemini(body, "m")["generationConfig"] == {"candidateCount": 2}
+    answer = {
+        "candidates": [
+            {"content": {"parts": [{"text": "a"}]}, "finishReason": "STOP", "index": 0},
+            {"content": {"parts": [{"text": "b"}]}, "finishReason": "MAX_TOKENS", "index": 1},
+        ],
+        "usageMetadata": {"promptTokenCount": 1, "candidatesTokenCount": 2},
+    }
+    whole = gemini_response_to_chat(answer, model="m")
+    validate("chat", "CreateChatCompletionResponse", whole)
+    assert [
+        (c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]
+    ] == [
+        (0, "a", "stop"),
+        (1, "b", "length"),
+    ]
+    stream = GeminiToChatStream(model="m", include_usage=True)
+    raw = stream.feed(answer) + stream.end()
+    validate_stream("chat", raw)
+    finishes = {
+        ch["index"]: ch["finish_reason"]
+        for e in sse(raw)
+        if e != "[DONE]"
+        for ch in e["choices"]
+        if ch["finish_reason"]
+    }
+    assert finishes == {0: "stop", 1: "length"}
