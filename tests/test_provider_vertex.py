@@ -167,6 +167,40 @@ async def test_a_token_expiring_mid_run_is_refreshed_before_it_fails(google: Goo
     assert google.tokens.rejected == 0
 
 
+async def test_a_failing_refresh_leaves_the_valid_token_in_service(google: Google) -> None:
+    """The token endpoint starts refusing: the current token serves on until it expires, then
+    requests fail over with the reason; once the endpoint answers again, so does Vertex."""
+    google.tokens.lifetime_s = scaled(4.0)
+    async with open_gateway(
+        google.providers(),
+        model("g", "vertex/gemini-2.5-flash", fallbacks=["backup"]),
+        model("backup", "local/m"),
+    ) as c:
+        first = await c.openai.chat.completions.with_raw_response.create(model="g", messages=CHAT)
+        google.tokens.refuse = True
+        async with asyncio.timeout(scaled(WATCHDOG_S) + google.tokens.lifetime_s):
+            while google.tokens.rejected == 0:  # until a refresh has been refused
+                served = await c.openai.chat.completions.with_raw_response.create(
+                    model="g", messages=CHAT
+                )
+                assert served.headers["x-tailguard-deployment"] == "vertex/gemini-2.5-flash"
+            after = await c.openai.chat.completions.with_raw_response.create(
+                model="g", messages=CHAT
+            )
+            while True:  # until the token has expired: then the fallback answers
+                expired = await c.openai.chat.completions.with_raw_response.create(
+                    model="g", messages=CHAT
+                )
+                if expired.headers["x-tailguard-deployment"] == "local/m":
+                    break
+        google.tokens.refuse = False
+        again = await c.openai.chat.completions.with_raw_response.create(model="g", messages=CHAT)
+    assert first.headers["x-tailguard-deployment"] == "vertex/gemini-2.5-flash"
+    assert after.headers["x-tailguard-deployment"] == "vertex/gemini-2.5-flash"
+    assert expired.headers["x-tailguard-route"] == "error_fallback"
+    assert again.headers["x-tailguard-deployment"] == "vertex/gemini-2.5-flash"
+
+
 async def test_a_revoked_token_is_replaced_and_the_request_retried(google: Google) -> None:
     async with open_gateway(google.providers(), model("g", "vertex/gemini-2.5-flash")) as c:
         first = await c.post("/v1/chat/completions", {"model": "g", "messages": CHAT})

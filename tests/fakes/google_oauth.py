@@ -82,6 +82,7 @@ class TokenEndpoint:
     lifetime_s: float = 3600.0
     issued: list[str] = field(default_factory=list)
     rejected: int = 0
+    refuse: bool = False  # refuse every assertion (as for a deleted key), however good
     _expiry: dict[str, float] = field(default_factory=dict)
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
@@ -141,6 +142,8 @@ class TokenEndpoint:
         form = {k: v[0] for k, v in parse_qs(raw.decode()).items()}
         problem = "unsupported grant_type" if form.get("grant_type") != JWT_BEARER else None
         problem = problem or self._check(form.get("assertion", ""))
+        if self.refuse:
+            problem = "Invalid grant: account not found"
         if problem is not None:
             self.rejected += 1
             status = 400
