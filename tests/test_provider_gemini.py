@@ -213,10 +213,20 @@ async def test_reasoning_becomes_thinking_and_back(fake: tuple[GeminiFake, str])
     assert "".join(thinking) == THOUGHT
 
 
-def test_gemini_3_takes_a_thinking_level() -> None:
-    body = {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}
-    config = chat_request_to_gemini(body, "gemini-3-pro-preview")["generationConfig"]
-    assert config["thinkingConfig"] == {"thinkingLevel": "high", "includeThoughts": True}
+def test_thinking_levels_and_budgets_by_model() -> None:
+    """Gemini 3 takes a thinking level; 2.5 a budget, off for `none` except on Pro."""
+
+    def thinking(effort: str, model: str) -> Any:
+        body = {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": effort}
+        return chat_request_to_gemini(body, model)["generationConfig"]["thinkingConfig"]
+
+    assert thinking("high", "gemini-3-pro-preview") == {
+        "thinkingLevel": "high",
+        "includeThoughts": True,
+    }
+    assert thinking("none", "gemini-2.5-flash") == {"thinkingBudget": 0, "includeThoughts": False}
+    assert thinking("none", "gemini-2.5-pro") == {"thinkingBudget": 128, "includeThoughts": True}
+    assert thinking("medium", "gemini-2.5-pro")["thinkingBudget"] == 8192
 
 
 # --- safety --------------------------------------------------------------------------------------

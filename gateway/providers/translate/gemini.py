@@ -41,6 +41,7 @@ from gateway.providers.translate.shapes import TranslationError, _dict, _list, _
 # reasoning_effort → Gemini 2.5's thinkingBudget (Google's own OpenAI-compatible mapping).
 _BUDGETS: Final[dict[str, int]] = {"none": 0, "minimal": 1024, "low": 1024, "medium": 8192}
 _HIGH_BUDGET: Final = 24576
+_PRO_MIN_BUDGET: Final = 128
 # ... and Gemini 3's thinkingLevel (Pro knows low and high).
 _LEVELS: Final[dict[str, str]] = {"none": "low", "minimal": "low", "low": "low"}
 _TOOL_CHOICE: Final[dict[str, str]] = {"auto": "AUTO", "none": "NONE", "required": "ANY"}
@@ -298,8 +299,11 @@ def _generation_config(body: dict[str, Any], model: str) -> dict[str, Any]:
 
 def thinking_config(effort: str, model: str) -> dict[str, Any]:
     """`reasoning_effort` → `thinkingConfig`: Gemini 3 models take a level, earlier ones a
-    token budget; `none` turns thinking off where the model allows it."""
+    token budget; `none` turns thinking off where the model allows it (Pro models think at
+    least 128 tokens)."""
     if "gemini-3" in model:
         return {"thinkingLevel": _LEVELS.get(effort, "high"), "includeThoughts": effort != "none"}
     budget = _BUDGETS.get(effort, _HIGH_BUDGET)
+    if budget == 0 and "pro" in model:
+        budget = _PRO_MIN_BUDGET  # Pro models cannot stop thinking: the least they take
     return {"thinkingBudget": budget, "includeThoughts": budget > 0}
