@@ -298,6 +298,8 @@ async def test_the_same_model_on_two_clouds_hedges(google: Google) -> None:
     spec["hedge_max_fraction"] = 1.0
     async with open_gateway(google.providers(), spec) as c:
         raw = await c.post("/v1/chat/completions", {"model": "g", "messages": CHAT, "stream": True})
+        async with asyncio.timeout(scaled(WATCHDOG_S)):  # the slow attempt was closed
+            await google.fake.wait_for(lambda fake: fake.streams_abandoned == 1)
     assert raw.status_code == 200
     assert raw.headers["x-tailguard-route"] == "hedge"
     assert raw.headers["x-tailguard-deployment"] == "vertex/gemini-2.5-flash"

@@ -42,7 +42,8 @@ the last `@`):
 - `inband_unavailable`: a 200 stream whose only event is an error (503 UNAVAILABLE), as Google
   sends one that fails after the response began.
 
-Every request is recorded (`requests`); `wait_for(predicate)` returns once it holds.
+Every request is recorded (`requests`); a stream the client leaves stops at its next pause and
+counts in `streams_abandoned`; `wait_for(predicate)` returns once a predicate holds.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import itertools
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -187,6 +189,7 @@ class GeminiFake:
         self.anthropic = AnthropicFake()
         self.requests: list[Received] = []
         self.unauthorized = 0
+        self.streams_abandoned = 0
         self.signatures: set[str] = set()
         self._ids = itertools.count(1)
         self._changed = asyncio.Condition()
@@ -238,10 +241,34 @@ class GeminiFake:
         except GoogleError as error:
             await _respond(send, error.status, error.body())
             return
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self._send_answer(send, gone, script, events, stream)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _send_answer(
+        self,
+        send: Send,
+        gone: asyncio.Event,
+        script: Script,
+        events: list[dict[str, Any]],
+        stream: bool,
+    ) -> None:
+        """The answer, whole or one event at a time; a pause ends early when the client leaves,
+        and then nothing more is sent (counted in `streams_abandoned`)."""
         if not stream:
-            await asyncio.sleep(script.slow_ms / 1000)
-            whole = _merge(events)
-            await _respond(send, 200, orjson.dumps(whole))
+            if not await _pause(script.slow_ms, gone):
+                await _respond(send, 200, orjson.dumps(_merge(events)))
             return
         await send(
             {
@@ -251,7 +278,11 @@ class GeminiFake:
             }
         )
         for event in events:
-            await asyncio.sleep(script.slow_ms / 1000)
+            if await _pause(script.slow_ms, gone):
+                self.streams_abandoned += 1
+                async with self._changed:
+                    self._changed.notify_all()
+                return
             await send(
                 {
                     "type": "http.response.body",
@@ -546,6 +577,14 @@ def _merge(events: list[dict[str, Any]]) -> dict[str, Any]:
                 parts.append(part)
     candidate = {**last["candidates"][0], "content": {"role": "model", "parts": parts}}
     return {**last, "candidates": [candidate]}
+
+
+async def _pause(ms: float, gone: asyncio.Event) -> bool:
+    """Wait `ms` unless the client leaves first; whether it left."""
+    if ms > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gone.wait(), ms / 1000)
+    return gone.is_set()
 
 
 async def _respond(send: Send, status: int, body: bytes) -> None:
