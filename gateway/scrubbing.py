@@ -37,6 +37,9 @@ _GENERIC = (
         r"\1=" + MASK,
     ),
     (re.compile(r"(?i)(\"?(?:x-)?api-key\"?\s*[:=]\s*\"?)[^\s\"',;]+"), r"\1" + MASK),
+    # Google: OAuth2 access tokens and API keys
+    (re.compile(r"\bya29\.[A-Za-z0-9_\-.]{8,}"), "ya29." + MASK),
+    (re.compile(r"\bAIza[0-9A-Za-z_\-]{20,}"), "AIza" + MASK),
 )
 
 

@@ -33,6 +33,8 @@ SECRETS = {
     "VLLM_API_KEY": "vllm-SECRET-789",
     "AZURE_OPENAI_API_KEY": "azure-SECRET-321",
     "REDIS_URL": "redis://:redis-SECRET-000@10.0.0.5:6379/0",
+    "GEMINI_API_KEY": "AIza-test-SECRET-321",
+    "GOOGLE_CLOUD_PROJECT": "my-project-123",
 }
 
 
@@ -43,6 +45,7 @@ def secret_values() -> list[str]:
         "vllm-SECRET-789",
         "redis-SECRET-000",
         "azure-SECRET-321",
+        "AIza-test-SECRET-321",
     ]
 
 
@@ -449,7 +452,7 @@ models:
         (
             {"TAILGUARD_PROVIDERS": '{"sim": {"type": "simulted"}}'},
             "error: TAILGUARD_PROVIDERS: providers.sim.type: Input should be 'openai', 'vllm', "
-            "'anthropic', 'azure', 'bedrock' or 'simulated'",
+            "'anthropic', 'azure', 'bedrock', 'gemini', 'vertex' or 'simulated'",
         ),
         (
             {"TAILGUARD_PROVIDERS__SIM__API_KEYY": "sk-SECRET-9"},

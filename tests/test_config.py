@@ -149,6 +149,8 @@ def test_examples_are_valid() -> None:
         "ANTHROPIC_API_KEY": "sk-ant-test",
         "AZURE_OPENAI_API_KEY": "azure-test",
         "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "GEMINI_API_KEY": "AIza-test",
+        "GOOGLE_CLOUD_PROJECT": "my-project-123",
     }
     examples = sorted(Path("config/examples").glob("*.yaml"))
     assert len(examples) >= 4

@@ -36,10 +36,14 @@ LIBRARY_OWNERS = {
         "gateway.providers.http",
         "gateway.providers.vllm",
         "gateway.providers.bedrock",
+        "gateway.providers.gemini",
+        "gateway.providers.vertex",
         "gateway.tools.probe",
     },
     "botocore": {"gateway.providers.bedrock", "gateway.providers.bedrock_auth"},
     "yarl": {"gateway.providers.bedrock"},  # a path sent as encoded, untouched
+    "google": {"gateway.providers.vertex_auth"},
+    "requests": {"gateway.providers.vertex_auth"},
     "redis": {
         "gateway.redis",
         "gateway.latency.redis_store",

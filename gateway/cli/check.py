@@ -45,7 +45,6 @@ def check_config(
     """Validate a config file, listing every problem at once, and print its models and
     deployments (secrets masked)."""
     from gateway.config import config_path
-    from gateway.config.cloud_bedrock import shown_base_url
 
     settings = load_or_exit(config)
     path = config_path(config)
@@ -65,9 +64,7 @@ def check_config(
         providers.add_column(column)
     for name, spec in settings.providers.items():
         key = "set (hidden)" if spec.api_key and spec.api_key.get_secret_value() else "-"
-        providers.add_row(
-            escape(name), spec.type, escape(without_userinfo(shown_base_url(spec))), key
-        )
+        providers.add_row(escape(name), spec.type, escape(without_userinfo(_endpoint(spec))), key)
     models = Table(title="Models", title_justify="left")
     for column in ("model", "deployments", "budget", "fallbacks", "on_ttft_miss"):
         models.add_column(column)
@@ -115,7 +112,6 @@ def _explain(settings: Settings, path: Path) -> dict[str, Any]:
     import random
     from contextlib import AsyncExitStack
 
-    from gateway.config.cloud_bedrock import shown_base_url
     from gateway.errors import InvalidRequestError
     from gateway.models import Call
     from gateway.providers import can_serve, open_providers
@@ -213,7 +209,7 @@ def _explain(settings: Settings, path: Path) -> dict[str, Any]:
         "providers": {
             name: {
                 "type": spec.type,
-                "base_url": _shown(shown_base_url(spec)),
+                "base_url": _shown(_endpoint(spec)),
                 "api_key": "set" if spec.api_key and spec.api_key.get_secret_value() else "not set",
                 "headers": sorted(spec.headers),  # names only: the values are secrets
                 "endpoints": [e for e in _ENDPOINTS if can_serve(providers[name], e)],
@@ -336,3 +332,11 @@ def _entra_id(spec: ProviderSpec) -> dict[str, str]:
     if spec.azure_ad_token is not None:
         return {"entra_id": "Entra ID token set"}
     return {}
+
+
+def _endpoint(spec: ProviderSpec) -> str | None:
+    """Where the provider's requests go: its `base_url`, else the endpoint its cloud implies."""
+    from gateway.config.cloud_bedrock import shown_base_url
+    from gateway.config.cloud_google import google_base_url
+
+    return shown_base_url(spec) or google_base_url(spec)

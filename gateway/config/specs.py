@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from gateway.config.cloud_azure import azure_keys_set, check_azure
 from gateway.config.cloud_bedrock import check_bedrock, refuse_bedrock_keys
+from gateway.config.cloud_google import check_google
 from gateway.sim.profile import SimProfile
 
 DEFAULT_CONFIG_PATH = "config/gateway.yaml"
@@ -21,7 +22,9 @@ LOG_LEVEL_ENV = "TAILGUARD_LOG_LEVEL"  # how `serve --workers N` passes --log-le
 ACCESS_LOG_ENV = "TAILGUARD_ACCESS_LOG_FILE"  # ... and --access-log
 HUMAN_LOG_ENV = "TAILGUARD_HUMAN_LOG"  # ... and whether its stdout is a terminal ("1")
 
-ProviderType = Literal["openai", "vllm", "anthropic", "azure", "bedrock", "simulated"]
+ProviderType = Literal[
+    "openai", "vllm", "anthropic", "azure", "bedrock", "gemini", "vertex", "simulated"
+]
 Priority = Literal["interactive", "bulk"]
 OnTTFTMiss = Literal["failover", "hedge", "none"]
 OnTotalMiss = Literal["finish", "cut"]
@@ -120,11 +123,12 @@ class ProviderSpec(_Spec):
 
     type: ProviderType
     """`openai`, `vllm`, `anthropic`, `azure` (Azure OpenAI), `bedrock` (AWS Bedrock's Converse
-    API) or `simulated` (in-process)."""
+    API), `gemini` (the Gemini API), `vertex` (Vertex AI) or `simulated` (in-process)."""
     base_url: str | None = None
     """OpenAI-compatible: include `/v1`; Anthropic: without; Azure: the resource's root,
     `https://<resource>.openai.azure.com`. Absent for `simulated`; optional for `bedrock`
-    (default: `https://bedrock-runtime.{region}.amazonaws.com`)."""
+    (default: `https://bedrock-runtime.{region}.amazonaws.com`), `gemini` and `vertex` (their
+    Google endpoints)."""
     api_key: SecretStr | None = None
     """The upstream's credential (use `${VAR}`); Azure sends it as `api-key`; for `bedrock`, a
     Bedrock API key (sent as a bearer token instead of a SigV4 signature)."""
@@ -213,6 +217,17 @@ class ProviderSpec(_Spec):
     performance_latency: Literal["standard", "optimized"] | None = None
     """bedrock only: `performanceConfig.latency` of every request: `optimized` asks for
     Bedrock's latency-optimized inference (on the models and regions that have it)."""
+    # Google (gemini, vertex) only
+    project: str | None = None
+    """vertex only: the Google Cloud project id."""
+    location: str | None = None
+    """vertex only: the region (`us-central1`, `europe-west4`, ...) or `global`."""
+    credentials_file: str | None = None
+    """vertex only: a service-account JSON key file; absent, Application Default Credentials
+    (`GOOGLE_APPLICATION_CREDENTIALS`, gcloud's login, the metadata server)."""
+    publisher: Literal["google", "anthropic"] = "google"
+    """vertex only: `google` (Gemini models, through the chat wire) or `anthropic` (Claude
+    models, through the Messages wire)."""
 
     @model_validator(mode="after")
     def _check_kind(self) -> ProviderSpec:
@@ -224,6 +239,7 @@ class ProviderSpec(_Spec):
             check_azure(self)
         if self.metrics_url is not None and self.type != "vllm":
             raise ValueError("metrics_url is for providers of type vllm")
+        check_google(self)
         if self.type == "bedrock":
             check_bedrock(self)
             return self
@@ -232,7 +248,11 @@ class ProviderSpec(_Spec):
             if self.base_url is not None:
                 raise ValueError("a simulated provider runs in-process and takes no base_url")
             return self
+        if self.profiles or self.default_profile is not None or self.seed is not None:
+            raise ValueError("profiles, default_profile and seed apply to simulated providers only")
         if self.base_url is None:
+            if self.type in ("gemini", "vertex"):
+                return self  # the cloud's own endpoint
             raise ValueError(f"base_url is required for a provider of type {self.type!r}")
 
         parts = urlsplit(self.base_url)
@@ -240,8 +260,6 @@ class ProviderSpec(_Spec):
             raise ValueError("base_url must be an http:// or https:// URL with a host")
         if parts.query or parts.fragment:
             raise ValueError("base_url must not carry a query or fragment")
-        if self.profiles or self.default_profile is not None or self.seed is not None:
-            raise ValueError("profiles, default_profile and seed apply to simulated providers only")
         return self
 
 

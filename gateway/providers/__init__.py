@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import AsyncExitStack
 
-from gateway.config import Settings
+from gateway.config import ProviderSpec, Settings
 from gateway.models import Endpoint
 from gateway.upstream import Provider
 
@@ -30,11 +30,31 @@ async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str,
             session = make_session(spec)
             stack.push_async_callback(session.close)
             providers[name] = BedrockProvider(name, spec, session)
+        elif spec.type in ("gemini", "vertex"):
+            providers[name] = _google(name, spec, stack)
         else:
             session = make_session(spec)
             stack.push_async_callback(session.close)
             providers[name] = HTTPProvider(name, spec, session)
     return providers
+
+
+def _google(name: str, spec: ProviderSpec, stack: AsyncExitStack) -> Provider:
+    """A Gemini API or Vertex AI provider (google-auth is imported only when one is configured)."""
+    from gateway.providers.gemini import GeminiProvider
+    from gateway.providers.http import make_session
+
+    session = make_session(spec)
+    stack.push_async_callback(session.close)
+    if spec.type == "gemini":
+        return GeminiProvider(name, spec, session)
+    from gateway.providers.vertex import VertexAnthropic, VertexGemini
+
+    vertex = (VertexAnthropic if spec.publisher == "anthropic" else VertexGemini)(
+        name, spec, session
+    )
+    stack.callback(vertex.tokens.close)
+    return vertex
 
 
 def can_serve(provider: Provider, endpoint: Endpoint) -> bool:
