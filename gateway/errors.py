@@ -294,9 +294,11 @@ def upstream_error(
     param: str | None = None,
     upstream_code: str | None = None,
     inband: bool = False,
+    credential: str = "api_key",
 ) -> ProviderError:
     """The error for an upstream's error status (`inband`: one it put inside a 200 response or
-    stream, with the status it implies). `detail` is the upstream's message, already scrubbed."""
+    stream, with the status it implies). `detail` is the upstream's message, already scrubbed;
+    `credential` names what the provider authenticates with, for a 401 or 403."""
     where = "in-band error" if inband else f"upstream returned {status}"
     if status == 429:
         return RateLimitedError(
@@ -315,7 +317,8 @@ def upstream_error(
         )
     if status in (401, 403):
         return ProviderError(
-            f"upstream rejected the gateway's credentials ({status}); check the provider's api_key",
+            f"upstream rejected the gateway's credentials ({status}); check the provider's "
+            f"{credential}",
             deployment=deployment,
             upstream_status=status,
         )

@@ -489,7 +489,7 @@ async def test_rejected_credentials_never_show_in_errors_logs_or_admin(
     fake: tuple[AzureFake, str], caplog: pytest.LogCaptureFixture, auth: str
 ) -> None:
     """Azure's 401 body echoes the credential it was given: the client's error, the log and
-    `/admin` carry neither it nor the configured one."""
+    `/admin` carry neither it nor the configured one; the error names the key to check."""
     upstream, url = fake
     wrong = "azure-WRONG-credential-5f3c2a9b7d1e4f60"
     spec = {"type": "azure", "base_url": url, "api_version": VERSION, auth: wrong}
@@ -506,7 +506,7 @@ async def test_rejected_credentials_never_show_in_errors_logs_or_admin(
         for path in ("/admin/latency", "/readyz", "/metrics", "/dashboard"):
             bodies.append((await clients.http.get(path)).text)
     assert upstream.refused and set(upstream.refused) == {401}
-    assert "credentials (401)" in bodies[0]
+    assert f"credentials (401); check the provider's {auth}" in bodies[0]
     seen = "\n".join(bodies) + caplog.text
     assert wrong not in seen and wrong[:20] not in seen
 

@@ -105,6 +105,10 @@ class AzureProvider(HTTPProvider):
         self._by_deployment: dict[tuple[str, Endpoint], str] = {}
         self._failover = spec.content_filter_failover
         self._file = TokenFile(spec.azure_ad_token_file) if spec.azure_ad_token_file else None
+        if spec.azure_ad_token_file:
+            self.credential = "azure_ad_token_file (its Entra ID token)"
+        elif spec.azure_ad_token is not None:
+            self.credential = "azure_ad_token"
         self._secrets = [v.get_secret_value() for v in spec.headers.values()]
         for secret in (spec.api_key, spec.azure_ad_token):
             if secret is not None:

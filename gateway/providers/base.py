@@ -202,6 +202,7 @@ def status_error(
     headers: Mapping[str, str],
     body: bytes,
     scrub: Scrubber,
+    credential: str = "api_key",
 ) -> ProviderError:
     """Map an upstream error response to the gateway's error vocabulary (`upstream_error`);
     every string taken from it is scrubbed (by the decoders, or here for a snippet)."""
@@ -216,6 +217,7 @@ def status_error(
         headers=headers,
         param=parsed.param if parsed else None,
         upstream_code=parsed.code if parsed else None,
+        credential=credential,
     )
 
 

@@ -91,7 +91,12 @@ def _duration(value: object) -> float | None:
 
 
 def google_status_error(
-    deployment: str, status: int, headers: Mapping[str, str], body: bytes, scrub: Scrubber
+    deployment: str,
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    scrub: Scrubber,
+    credential: str = "api_key",
 ) -> ProviderError:
     """An error status from a Google endpoint, through the gateway's status table. The Gemini
     API answers a wrong key with a 400 (reason API_KEY_INVALID): that is a credential failure,
@@ -100,7 +105,13 @@ def google_status_error(
     if found is None:
         text = scrub.bounded(body[:800].decode("utf-8", "replace"), 300)
         detail = " ".join(text.split()) or "no error body"
-        return upstream_error(deployment=deployment, status=status, detail=detail, headers=headers)
+        return upstream_error(
+            deployment=deployment,
+            status=status,
+            detail=detail,
+            headers=headers,
+            credential=credential,
+        )
     if found.reasons & _CREDENTIAL_REASONS:
         status = 401
     if found.retry_s is not None and "retry-after" not in headers:
@@ -111,6 +122,7 @@ def google_status_error(
         detail=found.message,
         headers=headers,
         upstream_code=found.status,
+        credential=credential,
     )
 
 
@@ -205,6 +217,7 @@ class GeminiProvider:
     only the URL and the credential differ."""
 
     system = "gcp.gemini"
+    credential = "api_key"  # what a 401 or 403 says to check
 
     def __init__(self, name: str, spec: ProviderSpec, session: aiohttp.ClientSession) -> None:
         self.name = name
@@ -305,7 +318,9 @@ class GeminiProvider:
                     deployment=deployment,
                     kind="invalid_response",
                 )
-            raise google_status_error(deployment, status, response.headers, text, self.scrub)
+            raise google_status_error(
+                deployment, status, response.headers, text, self.scrub, self.credential
+            )
         raise AssertionError("unreachable")
 
     def error(self, deployment: str, exc: BaseException) -> ProviderError | None:

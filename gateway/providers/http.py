@@ -135,6 +135,8 @@ class _Body:
 class HTTPProvider:
     """An upstream reached over HTTP, speaking the OpenAI or the Anthropic wire format."""
 
+    credential = "api_key"  # what a 401 or 403 says to check
+
     def __init__(self, name: str, spec: ProviderSpec, session: aiohttp.ClientSession) -> None:
         assert spec.base_url is not None  # checked by the config
         self.name = name
@@ -215,6 +217,7 @@ class HTTPProvider:
                 headers=response.headers,
                 body=body,
                 scrub=self.scrub,
+                credential=self.credential,
             )
         reader = _Body(response)
         return ChunkStream(

@@ -38,6 +38,7 @@ class VertexGemini(GeminiProvider):
 
     system = "gcp.vertex_ai"
     publisher = "google"
+    credential = "credentials_file (or the Application Default Credentials)"
 
     def __init__(
         self,
