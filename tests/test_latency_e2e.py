@@ -32,7 +32,7 @@ from tests.conftest import (
     one_model,
     run_gateway,
 )
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}], "stream": True}
 METRIC_KEYS = ("ttft_ms", "tpot_ms", "total_ms")
@@ -77,16 +77,16 @@ async def poll_latency(
 ) -> Body:
     """`GET /admin/latency` until `ready(body)` holds (the snapshot refreshes about every second),
     or fail with the last body once `within_s` (scaled) has passed."""
-    deadline = time.monotonic() + scaled(within_s)
-    while True:
+    last: list[Body] = []
+
+    async def fetched() -> Body | None:
         resp = await client.get(url + "/admin/latency")
         assert resp.status_code == 200
         body: Body = resp.json()
-        if ready(body):
-            return body
-        if time.monotonic() > deadline:
-            pytest.fail(f"/admin/latency never got there within {within_s} s: {body}")
-        await asyncio.sleep(0.05)
+        last[:] = [body]
+        return body if ready(body) else None
+
+    return await eventually(fetched, within_s=within_s, what=lambda: f"/admin/latency: {last}")
 
 
 def count(
@@ -403,17 +403,21 @@ async def poll_ready(
 ) -> tuple[Body, Body]:
     """Poll /readyz and /admin/latency until the store's state and the snapshot's source match
     (within `within_s`, scaled to the machine)."""
-    deadline = time.monotonic() + scaled(within_s)
-    while True:
+    last: list[Body] = []
+
+    async def fetched() -> tuple[Body, Body] | None:
         ready = await client.get(url + "/readyz")
         assert ready.status_code == 200  # ready whatever the store's state
         health: Body = ready.json()
         latency: Body = (await client.get(url + "/admin/latency")).json()
+        last[:] = [health, latency]
         if health["latency_store"]["state"] == state and latency["source"] == source:
             return health, latency
-        if time.monotonic() > deadline:
-            pytest.fail(f"store never got to {state}/{source} in {within_s} s: {health} {latency}")
-        await asyncio.sleep(0.05)
+        return None
+
+    return await eventually(
+        fetched, within_s=within_s, what=lambda: f"store at {state}/{source}: {last}"
+    )
 
 
 async def test_redis_outage_under_load_fails_no_request_and_recovers(

@@ -20,7 +20,7 @@ import yaml
 from gateway.api import create_app
 from gateway.config import load_settings
 from tests.conftest import free_port, serve
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
@@ -62,14 +62,6 @@ async def models(client: httpx.AsyncClient, url: str) -> set[str]:
     return {m["id"] for m in (await client.get(url + "/v1/models")).json()["data"]}
 
 
-async def until(check: Any, *, within_s: float = 10.0) -> None:
-    """Poll an async predicate until it holds (a reload is asynchronous), or fail."""
-    deadline = time.monotonic() + scaled(within_s)
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
-
-
 # --- hot reload ----------------------------------------------------------------------------------
 
 
@@ -84,7 +76,7 @@ async def test_changed_file_is_served_without_dropping_a_stream(tmp_path: Path) 
             lines = resp.aiter_lines()
             first = await anext(lines)  # the stream has begun (about a second of tokens left)
             write(path, config("b"))
-            await until(lambda: _has(client, url, {"b"}))
+            await eventually(lambda: _has(client, url, {"b"}))
             rest = [line async for line in lines]
         assert first.startswith("data: ")
         assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
@@ -114,14 +106,14 @@ async def test_invalid_file_is_rejected_and_the_old_config_kept(
             ready = (await client.get(url + "/readyz")).json()
             return bool(ready["config"]["reload_failures"] == 1)
 
-        await until(failed)
+        await eventually(failed)
         assert await models(client, url) == {"a"}
         assert (
             await client.post(url + "/v1/chat/completions", json={"model": "a", **CHAT})
         ).status_code == 200
         assert any("config reload rejected" in r.getMessage() for r in caplog.records)
         write(path, config("a", "c"))
-        await until(lambda: _has(client, url, {"a", "c"}))
+        await eventually(lambda: _has(client, url, {"a", "c"}))
 
 
 # --- real processes: SIGHUP and SIGTERM -------------------------------------------------------
@@ -168,7 +160,7 @@ async def test_sighup_reloads_the_config(tmp_path: Path) -> None:
             write(path, config("a", "b", reload_on_change=False))
             assert await models(client, url) == {"a"}  # not watched: nothing happens yet
             process.send_signal(signal.SIGHUP)
-            await until(lambda: _has(client, url, {"a", "b"}))
+            await eventually(lambda: _has(client, url, {"a", "b"}))
             assert process.poll() is None  # SIGHUP did not end the process
 
 

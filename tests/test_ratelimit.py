@@ -29,10 +29,9 @@ from gateway.latency import MemoryLatencyStore, Sample
 from gateway.models import Call, Endpoint
 from gateway.redis import connect_redis
 from tests.conftest import RedisServer, Upstream, gateway_settings, run_gateway
-from tests.faults.leaks import settle
 from tests.faults.wire import RedisProxy
 from tests.test_metrics import scrape_when
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 REQUESTS = "tailguard_requests_total"
 
@@ -480,7 +479,7 @@ async def test_a_burst_without_max_tokens_stays_within_tpm_and_its_debt_is_owed(
                 seen = (await http.get(gw.url + "/admin/latency", headers=admin)).json()
                 return bool(seen["models"].get("m", {}).get("output_tokens_mean") == EXPECTED)
 
-            await settle(learnt)
+            await eventually(learnt)
         started = time.monotonic()
         answers = await asyncio.gather(*(chat(http, gw.base_url) for _ in range(20)))
         used = [a.json()["usage"]["total_tokens"] for a in answers if a.status_code == 200]
@@ -497,7 +496,7 @@ async def test_a_burst_without_max_tokens_stays_within_tpm_and_its_debt_is_owed(
             return bool(wait_s >= (EXPECTED + owed) * 60 / TPM - (time.monotonic() - started))
 
         # Settling is not awaited by the request: poll its effect.
-        await settle(refused_until_owed, what=f"a wait for the {owed} tokens owed")
+        await eventually(refused_until_owed, what=f"a wait for the {owed} tokens owed")
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
@@ -520,7 +519,7 @@ async def test_debt_beyond_a_whole_minute_is_carried(redis_server: RedisServer, 
             level = await client.hget("tg:rl:{p}:tokens", "l")
             return level is not None and float(level) < -290
 
-        await settle(settled)
+        await eventually(settled)
         with pytest.raises(KeyRateLimitedError) as refused:
             await limiter.take(principal, 10)
         if client is not None:

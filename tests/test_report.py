@@ -8,17 +8,16 @@ import math
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.tools.report import build_report, class_quantiles, render_markdown
 from tests.conftest import Upstream, free_port, gateway_settings, run_gateway
+from tests.timing import eventually
 
 STAGES = {"overhead", "queue", "connect", "ttft", "decode", "total"}
 # 2 ms of fixed prefill plus 0.02 ms per prompt token (~chars/4): a 20,000-character prompt
@@ -48,15 +47,15 @@ async def send(client: httpx.AsyncClient, url: str, text: str, *, stream: bool =
 async def settled(client: httpx.AsyncClient, url: str, n: int, *, within_s: float = 5.0) -> Body:
     """`/admin/latency` once model `chat` shows `n` TTFT samples (the snapshot refreshes about
     every second); fails with the last body after `within_s`."""
-    deadline = time.monotonic() + within_s
-    while True:
+    last: list[Body] = []
+
+    async def fetched() -> Body | None:
         body: Body = (await client.get(url + "/admin/latency")).json()
+        last[:] = [body]
         model = body["models"].get("chat")
-        if model is not None and model["ttft_ms"]["count"] == n:
-            return body
-        if time.monotonic() > deadline:
-            pytest.fail(f"/admin/latency never showed {n} samples: {body}")
-        await asyncio.sleep(0.05)
+        return body if model is not None and model["ttft_ms"]["count"] == n else None
+
+    return await eventually(fetched, within_s=within_s, what=lambda: f"{n} samples: {last}")
 
 
 def tailguard(*args: str) -> subprocess.CompletedProcess[str]:

@@ -5,7 +5,6 @@ On a real redis-server (the failover itself, on Sentinel and Cluster: test_respo
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -37,7 +36,7 @@ from tests.test_responses_store import (  # noqa: F401 (black_hole: a fixture)
     redis_store,
     response,
 )
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 
 @pytest.fixture
@@ -56,18 +55,16 @@ def dead_url() -> str:
 async def until_readable(store: ResponseStore, rid: str, owner: str = "team-a") -> StoredResponse:
     """Poll another replica's store (Redis's state) until it reads `rid`; a "not found" on the
     way fails at once (it may only say "unavailable, try again")."""
-    deadline = time.monotonic() + scaled(30)
-    while True:
+
+    async def read() -> StoredResponse | None:
         try:
             found = await store.get(rid, owner)
         except StoreUnavailableError:
-            found = None
-        else:
-            assert found is not None, f"{rid} read as not found while its write was pending"
-        if found is not None:
-            return found
-        assert time.monotonic() < deadline, f"{rid} never became readable"
-        await asyncio.sleep(0.05)
+            return None
+        assert found is not None, f"{rid} read as not found while its write was pending"
+        return found
+
+    return await eventually(read, within_s=30, what=f"{rid} readable")
 
 
 def test_ids_say_when_they_were_made() -> None:

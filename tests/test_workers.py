@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from tests.conftest import free_port
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
 WORKERS = 2
@@ -140,7 +140,7 @@ class Gateway:
         async def idle() -> bool:
             return self.held() == 0
 
-        await until("no connection held from before", idle)
+        await eventually(idle, what="no connection held from before")
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -193,15 +193,6 @@ def shared(sim: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
         yield gateway, path
 
 
-async def until(what: str, check: Any, *, within_s: float = 10.0) -> Any:
-    """Poll an async check until it returns something truthy, and return that, or fail."""
-    deadline = time.monotonic() + scaled(within_s)
-    while not (found := await check()):
-        assert time.monotonic() < deadline, f"not reached in time: {what}"
-        await asyncio.sleep(0.05)
-    return found
-
-
 def one_connection() -> httpx.AsyncClient:
     return httpx.AsyncClient(
         limits=httpx.Limits(max_connections=1, max_keepalive_connections=1), timeout=10
@@ -229,7 +220,7 @@ async def per_worker(gateway: Gateway) -> AsyncIterator[dict[int, httpx.AsyncCli
                 found.setdefault(pid, client)
             return set(found) == gateway.workers()
 
-        await until("a connection on every worker", next_one)
+        await eventually(next_one, what="a connection on every worker")
         yield found
 
 
@@ -276,7 +267,7 @@ async def test_connections_are_dealt_out_evenly(shared: tuple[Gateway, Path]) ->
                 routes: dict[str, int] = view["counters"]["routes"].get("a", {})
                 return sum(routes.values()) == count
 
-            await until(f"worker {pid} counts {count} requests", counted)
+            await eventually(counted, what=f"worker {pid} counts {count} requests")
 
 
 async def opened(client: httpx.AsyncClient, url: str) -> int:
@@ -305,7 +296,7 @@ async def test_closed_connections_are_counted_out(shared: tuple[Gateway, Path]) 
         async def released() -> bool:
             return gateway.held() == 4  # the emptied worker has closed its ends
 
-        await until("the closed connections released", released)
+        await eventually(released, what="the closed connections released")
         fresh = [await stack.enter_async_context(one_connection()) for _ in range(4)]
         ports = await asyncio.gather(*(opened(c, gateway.url) for c in fresh))
         assert gateway.owners(ports) == [emptied] * 4
@@ -357,7 +348,7 @@ async def test_sigterm_drains_every_worker_and_exits_0(sim: str, tmp_path: Path)
                         return True
                 return False
 
-            await until("new connections refused", refused, within_s=5)
+            await eventually(refused, what="new connections refused", within_s=5)
             assert not long.done()  # refused while the streams still run
             short_lines, long_lines = await asyncio.wait_for(
                 asyncio.gather(short, long), scaled(15)
@@ -388,7 +379,7 @@ async def test_sighup_reloads_every_worker(sim: str, shared: tuple[Gateway, Path
             async def serves_b(client: httpx.AsyncClient = client) -> bool:
                 return (await chat(client, gateway.url, "b")).status_code == 200
 
-            await until(f"worker {pid} serves the new model", serves_b)
+            await eventually(serves_b, what=f"worker {pid} serves the new model")
     assert gateway.workers() == workers
     assert gateway.process.poll() is None
 
@@ -406,7 +397,7 @@ async def test_a_killed_worker_is_replaced(sim: str, tmp_path: Path) -> None:
             async def reaped() -> bool:
                 return victim not in gateway.workers()
 
-            await until("the dead worker reaped", reaped)
+            await eventually(reaped, what="the dead worker reaped")
             assert (await chat(clients[survivor], gateway.url, "a")).status_code == 200
             for _ in range(4):
                 async with one_connection() as fresh:
@@ -415,7 +406,7 @@ async def test_a_killed_worker_is_replaced(sim: str, tmp_path: Path) -> None:
             async def replaced() -> set[int]:
                 return gateway.workers() - {survivor}
 
-            started: set[int] = await until("a replacement worker", replaced)
+            started: set[int] = await eventually(replaced, what="a replacement worker")
             (replacement,) = started
             assert replacement != victim
 
@@ -426,8 +417,8 @@ async def test_a_killed_worker_is_replaced(sim: str, tmp_path: Path) -> None:
                     owner = gateway.owner(client_port(response))
                     return owner == replacement
 
-            await until(
-                "a connection served by the replacement", served_by_replacement, within_s=20
+            await eventually(
+                served_by_replacement, what="a connection served by the replacement", within_s=20
             )
         assert f"worker {victim} died (signal SIGKILL)" in gateway.log_text()
         assert f"replaced by worker {replacement}" in gateway.log_text()

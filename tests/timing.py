@@ -15,12 +15,19 @@ thread has it); it stretches the loop-stall detector's 50 ms, a budget of the lo
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import statistics
 import time
-from typing import Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar, overload
 
-__all__ = ["SLOWDOWN_AT_START", "cpu_slowdown", "scaled", "slowdown"]
+import pytest
+
+T = TypeVar("T")
+
+__all__ = ["SLOWDOWN_AT_START", "cpu_slowdown", "eventually", "scaled", "slowdown"]
 
 REFERENCE_S: Final = 0.02  # `_spin()` on a quiet 2-core development machine (best of 10)
 MOST: Final = 20.0
@@ -70,6 +77,47 @@ def slowdown() -> float:
 def scaled(seconds: float) -> float:
     """`seconds`, a deadline generous on a quiet machine, stretched for this one."""
     return seconds * slowdown()
+
+
+@overload
+async def eventually(
+    check: Callable[[], Awaitable[T | None]],
+    *,
+    within_s: float = ...,
+    what: str | Callable[[], str] = ...,
+    every_s: float = ...,
+) -> T: ...
+@overload
+async def eventually(
+    check: Callable[[], T | None],
+    *,
+    within_s: float = ...,
+    what: str | Callable[[], str] = ...,
+    every_s: float = ...,
+) -> T: ...
+async def eventually(
+    check: Callable[[], Any],
+    *,
+    within_s: float = 10.0,
+    what: str | Callable[[], str] = "the condition",
+    every_s: float = 0.02,
+) -> Any:
+    """The suite's one poll: call `check` (plain or async) until it returns something truthy,
+    and return that; fail naming `what` once `within_s` (scaled to the machine) has passed. For
+    state another process or task changes without an event to wait on; an event is awaited."""
+    deadline = time.monotonic() + scaled(within_s)
+    while True:
+        found = check()
+        if inspect.isawaitable(found):
+            found = await found
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"not reached within {scaled(within_s):.1f} s: "
+                f"{what if isinstance(what, str) else what()}"
+            )
+        await asyncio.sleep(every_s)
 
 
 def cpu_slowdown() -> float:

@@ -52,9 +52,10 @@ GATEWAY_ERRORS: Final = frozenset(
         # why an upstream attempt failed
         *("connection_error", "invalid_response", "timeout", "truncated", "total_deadline"),
         *("inband_error", "stream_idle", "precommit_limit", "error"),
-        *("content_filter", "credentials"),  # a content filter refused; a token file unreadable
+        # a content filter refused; a token file unreadable; no token from an OAuth endpoint
+        *("content_filter", "credentials", "auth"),
         *("ProviderError", "ProviderTimeoutError", "RateLimitedError"),
-        *("ProviderUnavailableError", "ProviderRejectedError"),
+        *("ProviderUnavailableError", "ProviderRejectedError", "ContentFilteredError"),
     }
 )
 # Upstream statuses kept as they are; any other becomes its class (`4xx`, `5xx`).

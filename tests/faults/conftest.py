@@ -21,8 +21,9 @@ import pytest
 
 from gateway.config import Settings
 from tests.conftest import Gateway, gateway_settings
-from tests.faults.leaks import links, no_leaks, port_of, request_tasks, settle, task_names
+from tests.faults.leaks import links, no_leaks, port_of, request_tasks, task_names
 from tests.faults.stall import loop_watchdog, pytest_runtest_call
+from tests.timing import eventually
 
 __all__ = [
     "CHAT",
@@ -141,4 +142,4 @@ async def settled(*upstreams: str, at_most: int = 0, gateway: str | None = None)
         last.update(upstreams=counts, clients=accepted, tasks=task_names(tasks))
         return not tasks and not accepted and all(n <= at_most for n in counts.values())
 
-    await settle(quiet, what=lambda: f"{last}; at most {at_most} connections per upstream")
+    await eventually(quiet, what=lambda: f"{last}; at most {at_most} connections per upstream")

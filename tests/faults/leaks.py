@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -20,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.faults.stall import StallDetector
-from tests.timing import scaled
+from tests.timing import eventually
 
 __all__ = [
     "SERVER_OWNED",
@@ -30,7 +29,6 @@ __all__ = [
     "no_leaks",
     "port_of",
     "request_tasks",
-    "settle",
     "task_names",
 ]
 
@@ -49,28 +47,6 @@ _STATES: Final = {
     "0A": "LISTEN",
     "0B": "CLOSING",
 }
-
-
-async def settle(
-    condition: Callable[[], bool | Awaitable[bool]],
-    *,
-    within_s: float = 5.0,
-    what: str | Callable[[], str] = "condition",
-) -> None:
-    """Poll `condition` until it holds; fail with `what` once `within_s` has passed."""
-    within_s = scaled(within_s)
-    deadline = time.monotonic() + within_s
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(
-                f"not settled within {within_s:.1f} s: {what if isinstance(what, str) else what()}"
-            )
-        await asyncio.sleep(0.01)
 
 
 def port_of(url: str) -> int:
@@ -171,7 +147,9 @@ async def no_leaks(loop_watchdog: StallDetector) -> AsyncIterator[None]:
             f"{fd_count()} fds open, {baseline.fds} before: {sorted(_fd_targets())}"
         )
 
-    await settle(lambda: not baseline.new_tasks() and fd_count() <= baseline.fds, what=described)
+    await eventually(
+        lambda: not baseline.new_tasks() and fd_count() <= baseline.fds, what=described
+    )
 
 
 def _fd_targets() -> list[str]:

@@ -29,9 +29,9 @@ from gateway.api import LLM_ROUTES
 from gateway.config import Settings
 from tests.conftest import Gateway, free_port, gateway_settings, run_gateway
 from tests.faults.conftest import http_client, settled
-from tests.faults.leaks import fd_count, links, port_of, settle
+from tests.faults.leaks import fd_count, links, port_of
 from tests.test_operations import TAILGUARD, config, gateway_from, write
-from tests.timing import scaled, slowdown
+from tests.timing import eventually, scaled, slowdown
 
 # server.read_timeout_s: on a busy machine 50 clients' heads may wait longer than 0.4 s for the
 # gateway's loop, and a head read late is answered 408 rather than with the status under test.
@@ -180,7 +180,7 @@ async def crowd(
 async def let_go(url: str, clients: list[Client]) -> None:
     """The gateway ends its side of every client's connection within the deadlines, and then
     holds none of them at all (its staged close is bounded too), whatever the clients do."""
-    await settle(
+    await eventually(
         lambda: all(c.ended_after_s is not None for c in clients),
         within_s=CLOSED_WITHIN_S,
         what=lambda: f"{sum(c.ended_after_s is None for c in clients)} of {len(clients)} open",
@@ -190,7 +190,7 @@ async def let_go(url: str, clients: list[Client]) -> None:
     async def none_held() -> bool:
         return not any(k.local_port == port and k.state != "LISTEN" for k in await links())
 
-    await settle(none_held, within_s=READ_S + 1.5, what="the gateway holds client connections")
+    await eventually(none_held, within_s=READ_S + 1.5, what="the gateway holds client connections")
 
 
 # --- an answer that leaves the request's body unread closes the connection ----------------------
@@ -233,7 +233,9 @@ async def test_an_answer_before_the_body_closes_the_connection(gw: Gateway, case
         assert headers["connection"] == "close"
         assert orjson.loads(body)
     await settled(gateway=gw.url)
-    await settle(lambda: fd_count() <= before, what=lambda: f"{fd_count()} fds, {before} before")
+    await eventually(
+        lambda: fd_count() <= before, what=lambda: f"{fd_count()} fds, {before} before"
+    )
 
 
 @pytest.mark.parametrize(("key", "status"), [(None, 401), (KEY, 413)], ids=["401", "413"])
@@ -309,7 +311,9 @@ async def test_trickling_after_an_answer_does_not_hold_the_connection(
     statuses = [[r[0] for r in one.responses()] for one in seen]
     assert statuses == [expected] * CLIENTS
     await settled(gateway=gw.url)
-    await settle(lambda: fd_count() <= before, what=lambda: f"{fd_count()} fds, {before} before")
+    await eventually(
+        lambda: fd_count() <= before, what=lambda: f"{fd_count()} fds, {before} before"
+    )
 
 
 async def test_a_kept_alive_connection_is_closed_when_idle(gw: Gateway) -> None:
@@ -346,7 +350,9 @@ async def test_descriptors_return_to_baseline_after_lingering_clients(
     async with crowd(gw.url, **LINGERING[kind]) as seen:
         await let_go(gw.url, seen)
     await settled(gateway=gw.url)
-    await settle(lambda: fd_count() <= before, what=lambda: f"{fd_count()} fds, {before} before")
+    await eventually(
+        lambda: fd_count() <= before, what=lambda: f"{fd_count()} fds, {before} before"
+    )
 
 
 # --- protocol-level refusals are JSON ------------------------------------------------------------
@@ -472,7 +478,7 @@ async def test_a_reload_without_keys_is_refused_beyond_loopback(
             state = (await http.get(url + "/readyz", headers=bearer(ADMIN_KEY))).json()
             return bool(state["config"]["reloads"] or state["config"]["reload_failures"])
 
-        await settle(decided, within_s=10)
+        await eventually(decided, within_s=10)
         anonymous = await http.get(url + "/v1/models")
         if refused:
             assert anonymous.status_code == 401
@@ -506,7 +512,7 @@ async def served_by_cli(path: Path, *flags: str) -> AsyncIterator[str]:
                     return (await probe.get(url + "/healthz")).status_code == 200
                 return False
 
-            await settle(up, within_s=20, what="the gateway did not start")
+            await eventually(up, within_s=20, what="the gateway did not start")
         yield url
     finally:
         process.kill()
@@ -529,6 +535,6 @@ async def test_the_cli_host_is_what_a_reload_is_judged_by(
             state = (await http.get(url + "/readyz", headers=bearer(ADMIN_KEY))).json()
             return bool(state["config"]["reload_failures"])
 
-        await settle(refused, within_s=15)
+        await eventually(refused, within_s=15)
         assert (await http.get(url + "/v1/models")).status_code == 401
         assert (await http.get(url + "/v1/models", headers=bearer())).status_code == 200

@@ -23,10 +23,9 @@ from gateway.config import Settings
 from gateway.latency import MemoryRecorder
 from tests.conftest import Upstream, free_port, gateway_settings, serve
 from tests.faults.conftest import chat, routed, settled
-from tests.faults.leaks import settle
 from tests.faults.wire import Exchange, RawUpstream
 from tests.test_operations import config, gateway_from, write
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 # --- the trace collector -------------------------------------------------------------------------
 
@@ -87,7 +86,9 @@ async def test_collector_down_costs_requests_nothing(
             if collector == "black-hole":
                 await hole.wait_for(lambda h: h.accepted >= 1)
             else:
-                await settle(lambda: any(r.name.startswith(OTLP_LOGGER) for r in caplog.records))
+                await eventually(
+                    lambda: any(r.name.startswith(OTLP_LOGGER) for r in caplog.records)
+                )
             stopping = time.perf_counter()
         stopped = time.perf_counter() - stopping
     base, now = statistics.median(untraced), statistics.median(traced_durations)
@@ -144,7 +145,7 @@ async def test_invalid_config_reload_keeps_the_old_config_serving(
                 ready = (await client.get(url + "/readyz")).json()
                 return bool(ready["config"]["reload_failures"] >= 1)
 
-            await settle(rejected)
+            await eventually(rejected)
             rest = [line async for line in lines if line]
         assert rest[-1] == "data: [DONE]"
         after = await client.post(url + "/v1/chat/completions", json=chat("a"))
@@ -178,7 +179,7 @@ async def serve_until_stopped(
     server = uvicorn.Server(config_)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        await settle(lambda: server.started or task.done())
+        await eventually(lambda: server.started or task.done())
         if task.done():
             task.result()
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", server

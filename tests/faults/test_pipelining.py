@@ -32,7 +32,8 @@ from gateway.api import create_app
 from gateway.config import Settings
 from gateway.server.protocol import MAX_PIPELINED, GuardedHttpToolsProtocol
 from tests.conftest import gateway_settings
-from tests.faults.leaks import request_tasks, settle, task_names
+from tests.faults.leaks import request_tasks, task_names
+from tests.timing import eventually
 
 KEY: Final = "tg-pipelining-key-for-tests"
 LIMITED: Final = "tg-pipelining-limited-key"  # rpm 1: its second request is a 429
@@ -116,7 +117,7 @@ async def gateway(*, sndbuf: int | None = None) -> AsyncIterator[tuple[int, uvic
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        await settle(lambda: server.started or task.done(), within_s=SETTLE_S, what="start-up")
+        await eventually(lambda: server.started or task.done(), within_s=SETTLE_S, what="start-up")
         if task.done():
             task.result()
         yield sock.getsockname()[1], server
@@ -193,7 +194,7 @@ async def test_a_pipelining_flood_queues_a_bounded_number_of_requests() -> None:
                 found = protocols(server)
                 return len(found) == CONNECTIONS and all(p.flow.write_paused for p in found)
 
-            await settle(blocked, within_s=SETTLE_S, what="the gateway's writes blocked")
+            await eventually(blocked, within_s=SETTLE_S, what="the gateway's writes blocked")
             for protocol in protocols(server):
                 assert len(protocol.pipeline) <= MAX_PIPELINED
                 assert protocol.held_bytes <= READ_SIZE
@@ -210,7 +211,7 @@ async def test_a_pipelining_flood_queues_a_bounded_number_of_requests() -> None:
             assert re.findall(rb"x-request-id: (req-\d+)", answer) == expected
             assert answer.count(b"HTTP/1.1 200 OK\r\n") == FLOOD
         assert Recording.deepest <= MAX_PIPELINED
-        await settle(lambda: not server.server_state.connections, within_s=SETTLE_S)
+        await eventually(lambda: not server.server_state.connections, within_s=SETTLE_S)
 
 
 def statuses(answer: bytes) -> list[int]:
@@ -256,7 +257,7 @@ async def test_nothing_more_is_read_while_pipelined_requests_wait() -> None:
         sock = await connect(port)
         try:
             await loop.sock_sendall(sock, STREAM + queued)
-            await settle(
+            await eventually(
                 lambda: any(p.pipeline for p in protocols(server)),
                 within_s=SETTLE_S,
                 what="the second request queued",
@@ -431,7 +432,7 @@ async def test_the_request_path_makes_no_reference_cycles() -> None:
             def done() -> bool:
                 return not request_tasks() and not server.server_state.connections
 
-            await settle(
+            await eventually(
                 done, within_s=SETTLE_S, what=lambda: task_names(request_tasks()) or "connections"
             )
         assert not cycles, "\n".join(described(c) for c in cycles)

@@ -20,10 +20,9 @@ from gateway.admission.ratelimit import open_rate_limiter
 from gateway.errors import OverloadedError
 from tests.conftest import RedisServer, Upstream, run_gateway
 from tests.faults.conftest import chat, routed
-from tests.faults.leaks import settle
 from tests.faults.wire import RedisProxy
 from tests.test_metrics import scrape
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 KEY, KEY_HASH = new_key()
 ADMIN, ADMIN_HASH = new_key()
@@ -127,7 +126,7 @@ async def test_degraded_enforcement_shows_on_metrics_and_readyz(
                 assert await served() == 200
                 return (await limits())["degraded"] is False
 
-            await settle(recovered)  # the cooldown is ~1 s, then the next check probes Redis
+            await eventually(recovered)  # the cooldown is ~1 s, then the next check probes Redis
             after = await scrape(client, gw.url)
     assert codes == [200] * 10
     assert healthy["degraded"] is False and healthy["outages"] == 0

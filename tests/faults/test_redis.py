@@ -19,9 +19,8 @@ import pytest
 from gateway.config import Settings
 from tests.conftest import Gateway, RedisServer, Upstream, run_gateway
 from tests.faults.conftest import chat, routed
-from tests.faults.leaks import settle
 from tests.faults.wire import RedisProxy
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 NOISE_S = 0.025  # how much slower a median request may be on a quiet machine (then scaled)
 
@@ -67,11 +66,11 @@ async def test_redis_down_costs_requests_nothing(
     """Redis killed mid-run: requests go on at the same speed, the store reports `degraded`
     (the gateway stays ready), and it is `ok` again soon after Redis is back."""
     async with run_gateway(with_redis(upstream, redis_server.url)) as gw:
-        await settle(lambda: state_is(client, gw, "ok"))
+        await eventually(lambda: state_is(client, gw, "ok"))
         healthy = await timed(client, gw, 10)
         await asyncio.to_thread(redis_server.kill)
         down = await timed(client, gw, 10)
-        await settle(lambda: state_is(client, gw, "degraded"))
+        await eventually(lambda: state_is(client, gw, "degraded"))
         down += await timed(client, gw, 10)
         await asyncio.to_thread(redis_server.start)
 
@@ -79,7 +78,7 @@ async def test_redis_down_costs_requests_nothing(
             back = await store(client, gw)
             return back["state"] == "ok" and back["snapshot_source"] == "redis"
 
-        await settle(shared_again, within_s=15)
+        await eventually(shared_again, within_s=15)
     no_slower(healthy, down, limit_s=scaled(0.25))
 
 
@@ -106,7 +105,7 @@ async def test_slow_redis_does_not_slow_requests(
         RedisProxy(redis_server.port) as proxy,
         run_gateway(with_redis(upstream, proxy.url)) as gw,
     ):
-        await settle(lambda: state_is(client, gw, "ok"))
+        await eventually(lambda: state_is(client, gw, "ok"))
         healthy = await timed(client, gw, 10)
         proxy.delay_s = delay_s
         slow: list[float] = []
@@ -114,7 +113,7 @@ async def test_slow_redis_does_not_slow_requests(
             await proxy.wait_for(lambda p: p.holding > 0 and p.delayed > 0)
             slow += await timed(client, gw, 1)
         if delay_s > 1:  # its calls time out: the store notices, the gateway stays ready
-            await settle(lambda: state_is(client, gw, "degraded"))
+            await eventually(lambda: state_is(client, gw, "degraded"))
         proxy.delay_s = 0.0  # the store's final flush on shut-down needs no waiting
     no_slower(healthy, slow, limit_s=min(delay_s, scaled(0.25)))
 
@@ -129,7 +128,7 @@ async def test_flapping_redis_costs_requests_nothing_and_opens_few_connections(
         RedisProxy(redis_server.port) as proxy,
         run_gateway(with_redis(upstream, proxy.url)) as gw,
     ):
-        await settle(lambda: state_is(client, gw, "ok"))
+        await eventually(lambda: state_is(client, gw, "ok"))
         healthy = await timed(client, gw, 10)
         proxy.start_flapping()
         flapping: list[float] = []
