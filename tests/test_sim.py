@@ -24,6 +24,7 @@ from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile, apply_overrides
 from gateway.sim.server import SimConfigError, create_sim_app, load_profiles
 from gateway.sim.wire import SimConnectionReset
+from tests.sim_server import until
 from tests.timing import scaled
 
 WATCHDOG_S = 10.0  # only ever reached when a test is broken; conditions are awaited, not slept on
@@ -69,11 +70,6 @@ async def sse_events(response: httpx.Response) -> list[Any]:
             data = line[6:]
             events.append(data if data == "[DONE]" else orjson.loads(data))
     return events
-
-
-async def wait_for_stats(engine: SimEngine, predicate: Any) -> None:
-    async with asyncio.timeout(WATCHDOG_S):
-        await engine.stats.wait_for(predicate)
 
 
 # Wire format.
@@ -371,9 +367,9 @@ async def test_continuous_batching_queues_beyond_max_batch() -> None:
                 return first, loop.time()
 
         a = asyncio.create_task(run())
-        await wait_for_stats(engine, lambda s: s.running == 1)
+        await until(engine, lambda s: s.running == 1)
         b = asyncio.create_task(run())
-        await wait_for_stats(engine, lambda s: s.waiting == 1)
+        await until(engine, lambda s: s.waiting == 1)
         (_, a_done), (b_first, _) = await asyncio.gather(a, b)
     assert a_done <= b_first
     assert engine.stats.completed == 2
@@ -443,7 +439,7 @@ async def test_stall_sends_headers_but_no_token() -> None:
             with pytest.raises(httpx.ReadTimeout):
                 async for line in response.aiter_lines():
                     received.append(line)
-        await wait_for_stats(engine, lambda s: s.cancelled == 1 and s.open_streams == 0)
+        await until(engine, lambda s: s.cancelled == 1 and s.open_streams == 0)
     assert received == []
 
 
@@ -452,7 +448,7 @@ async def test_non_streaming_stall_is_cancelled_when_the_client_leaves() -> None
     async with sim_client(engine, timeout=httpx.Timeout(5.0, read=0.2)) as client:
         with pytest.raises(httpx.ReadTimeout):
             await client.post("/v1/chat/completions", json=chat("m"))
-        await wait_for_stats(engine, lambda s: s.cancelled == 1)
+        await until(engine, lambda s: s.cancelled == 1)
     assert engine.stats.completed == 0
 
 
@@ -468,7 +464,7 @@ async def test_cut_stream_ends_without_done() -> None:
                 async for line in response.aiter_lines():
                     if line:
                         lines.append(line)
-        await wait_for_stats(engine, lambda s: s.open_streams == 0)
+        await until(engine, lambda s: s.open_streams == 0)
     assert response.status_code == 200
     assert len(lines) == 1 + 5  # the role chunk, then half of the tokens
     assert "data: [DONE]" not in lines
@@ -613,15 +609,15 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     first = asyncio.create_task(
         engine.handle("POST", "/v1/chat/completions", orjson.dumps(chat("m")))
     )
-    await wait_for_stats(engine, lambda s: s.running == 1)
+    await until(engine, lambda s: s.running == 1)
     second = asyncio.create_task(
         engine.handle("POST", "/v1/chat/completions", orjson.dumps(chat("m")))
     )
-    await wait_for_stats(engine, lambda s: s.waiting == 1)
+    await until(engine, lambda s: s.waiting == 1)
     second.cancel()
-    await wait_for_stats(engine, lambda s: s.waiting == 0 and s.cancelled == 1)
+    await until(engine, lambda s: s.waiting == 0 and s.cancelled == 1)
     first.cancel()
-    await wait_for_stats(engine, lambda s: s.running == 0 and s.cancelled == 2)
+    await until(engine, lambda s: s.running == 0 and s.cancelled == 2)
     for task in (first, second):
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -633,9 +629,9 @@ async def test_slot_freed_as_its_waiter_is_cancelled() -> None:
     engine = SimEngine(default=SimProfile(max_batch=1, prefill_base_ms=60_000))
     body = orjson.dumps(chat("m"))
     holder = asyncio.create_task(engine.handle("POST", "/v1/chat/completions", body))
-    await wait_for_stats(engine, lambda s: s.running == 1)
+    await until(engine, lambda s: s.running == 1)
     waiter = asyncio.create_task(engine.handle("POST", "/v1/chat/completions", body))
-    await wait_for_stats(engine, lambda s: s.waiting == 1)
+    await until(engine, lambda s: s.waiting == 1)
     holder.cancel()
     waiter.cancel()
     results = await asyncio.gather(holder, waiter, return_exceptions=True)
@@ -820,9 +816,9 @@ async def test_prompts_take_their_own_batch_slots() -> None:
         request = asyncio.create_task(
             client.post("/v1/completions", json={"model": "two", "prompt": ["a", "b", "c"]})
         )
-        await wait_for_stats(engine, lambda s: (s.requests, s.running, s.waiting) == (1, 2, 1))
+        await until(engine, lambda s: (s.requests, s.running, s.waiting) == (1, 2, 1))
         request.cancel()
-        await wait_for_stats(engine, lambda s: s.cancelled == 1 and s.running == s.waiting == 0)
+        await until(engine, lambda s: s.cancelled == 1 and s.running == s.waiting == 0)
         with pytest.raises(asyncio.CancelledError):
             await request
     assert (engine.stats.completed, engine.stats.faults) == (0, 0)
@@ -878,7 +874,7 @@ async def test_a_cut_drops_a_batched_request_once_its_work_is_done() -> None:
             await client.post(
                 "/v1/completions", json={"model": "m@reset_rate=1", "prompt": ["a", "b", "c"]}
             )
-        await wait_for_stats(engine, lambda s: s.faults == 2)
+        await until(engine, lambda s: s.faults == 2)
     stats = engine.stats
     assert (stats.requests, stats.completed, stats.running, stats.generation_tokens) == (2, 0, 0, 9)
 
@@ -896,7 +892,7 @@ async def test_embeddings_calls_share_the_batch_slots() -> None:
             return loop.time() - started
 
         calls = [asyncio.create_task(timed()) for _ in range(5)]
-        await wait_for_stats(engine, lambda s: (s.running, s.waiting) == (4, 1))
+        await until(engine, lambda s: (s.running, s.waiting) == (4, 1))
         durations = sorted(await asyncio.gather(*calls))
     assert durations[-1] >= 2 * 0.2 - 0.02  # two rounds of 150 + 2 * 25 ms
     assert durations[0] < durations[-1]
@@ -933,7 +929,7 @@ async def test_metrics_follow_the_queue_under_load() -> None:
                 await gone.wait()
 
         holders = [asyncio.create_task(hold()) for _ in range(5)]
-        await wait_for_stats(engine, lambda s: s.running == 2 and s.waiting == 3)
+        await until(engine, lambda s: s.running == 2 and s.waiting == 3)
         response = await client.get("/metrics")
         assert response.status_code == 200
         assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
@@ -949,7 +945,7 @@ async def test_metrics_follow_the_queue_under_load() -> None:
 
         gone.set()
         await asyncio.gather(*holders)
-        await wait_for_stats(engine, lambda s: s.cancelled == 5 and s.running == 0)
+        await until(engine, lambda s: s.cancelled == 5 and s.running == 0)
         page = (await client.get("/metrics")).text
     load = parse_metrics(page)
     assert (load.running, load.waiting, load.kv_usage) == (0.0, 0.0, 0.0)
