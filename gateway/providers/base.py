@@ -38,6 +38,23 @@ MAX_ERROR_BYTES = 64 * 1024
 MAX_CODE_CHARS = 64  # an upstream error code longer than this is cut
 
 
+async def read_whole(read: Callable[[], Awaitable[bytes | None]], deployment: str) -> bytes:
+    """A whole response body, read piece by piece until `read` gives nothing more; more than
+    `MAX_RESPONSE_BYTES` fails the attempt rather than the gateway's memory."""
+    parts: list[bytes] = []
+    size = 0
+    while data := await read():
+        size += len(data)
+        if size > MAX_RESPONSE_BYTES:
+            raise ProviderError(
+                f"response larger than {MAX_RESPONSE_BYTES} bytes",
+                deployment=deployment,
+                kind="invalid_response",
+            )
+        parts.append(data)
+    return b"".join(parts)
+
+
 def stream_limits(spec: ProviderSpec) -> StreamLimits:
     """A provider's stream limits from its config (`stream_idle_timeout_ms`,
     `max_precommit_events`, `max_precommit_bytes`)."""
@@ -154,18 +171,7 @@ class ChunkStream:
         if self._body_read:
             return None
         self._body_read = True
-        parts: list[bytes] = []
-        size = 0
-        while (data := await self._next_bytes()) is not None:
-            size += len(data)
-            if size > MAX_RESPONSE_BYTES:
-                raise ProviderError(
-                    f"response larger than {MAX_RESPONSE_BYTES} bytes",
-                    deployment=self._deployment,
-                    kind="invalid_response",
-                )
-            parts.append(data)
-        body = b"".join(parts)
+        body = await read_whole(self._next_bytes, self._deployment)
         try:
             return [decode_body(self._wire, body, scrub=self._scrub, responses=self._responses)]
         except UpstreamProtocolError as exc:

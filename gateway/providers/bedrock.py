@@ -36,7 +36,7 @@ from gateway.errors import (
     upstream_error,
 )
 from gateway.models import Chunk, Endpoint, SSEEvent, UpstreamRequest, Wire
-from gateway.providers.base import MAX_ERROR_BYTES, MAX_RESPONSE_BYTES, stream_limits
+from gateway.providers.base import MAX_ERROR_BYTES, read_whole, stream_limits
 from gateway.providers.bedrock_auth import CredentialsError, SigV4Signer
 from gateway.providers.bedrock_wire import (
     ConverseStreamTranslator,
@@ -360,19 +360,9 @@ class BedrockStream:
         return chunks
 
     async def _body(self) -> Chunk:
-        parts: list[bytes] = []
-        size = 0
-        while data := await self._next_bytes():
-            size += len(data)
-            if size > MAX_RESPONSE_BYTES:
-                raise ProviderError(
-                    f"response larger than {MAX_RESPONSE_BYTES} bytes",
-                    deployment=self._deployment,
-                    kind="invalid_response",
-                )
-            parts.append(data)
+        body = await read_whole(self._next_bytes, self._deployment)
         try:
-            answer = orjson.loads(b"".join(parts))
+            answer = orjson.loads(body)
             if not isinstance(answer, dict):
                 raise ValueError("not a JSON object")
             message = converse_to_message(answer, model=self._model, message_id=self._id)

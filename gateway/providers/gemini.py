@@ -27,7 +27,7 @@ from gateway.config import ProviderSpec
 from gateway.config.cloud_google import google_base_url
 from gateway.errors import ProviderError, ProviderRejectedError, upstream_error
 from gateway.models import Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import MAX_ERROR_BYTES, MAX_RESPONSE_BYTES, ChunkStream, stream_limits
+from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, read_whole, stream_limits
 from gateway.providers.decode import UpstreamProtocolError, parse_object
 from gateway.providers.http import _Body, _read_up_to, translate_client_error
 from gateway.providers.translate.gemini import chat_request_to_gemini
@@ -179,18 +179,7 @@ class _GeminiReader:
         if self._done:
             return b""
         self._done = True
-        pieces: list[bytes] = []
-        size = 0
-        while piece := await self._body.read():
-            size += len(piece)
-            if size > MAX_RESPONSE_BYTES:
-                raise ProviderError(
-                    f"response larger than {MAX_RESPONSE_BYTES} bytes",
-                    deployment=self._deployment,
-                    kind="invalid_response",
-                )
-            pieces.append(piece)
-        body = b"".join(pieces)
+        body = await read_whole(self._body.read, self._deployment)
         try:
             data = parse_object(body, "response body")
         except UpstreamProtocolError as exc:
