@@ -1,4 +1,4 @@
-"""What every fake upstream does the same way: answer the lifespan protocol, read a body."""
+"""What every fake upstream does the same way: answer the lifespan protocol, read a request."""
 
 from __future__ import annotations
 
@@ -20,3 +20,18 @@ async def read_body(receive: Any) -> bytes:
         parts.append(message.get("body", b""))
         if not message.get("more_body"):
             return b"".join(parts)
+
+
+async def request_of(scope: Any, receive: Any) -> tuple[bytes, dict[str, str]] | None:
+    """The request's whole body and its headers (names lower-cased); None when the client left
+    before sending it all."""
+    parts: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    return b"".join(parts), headers

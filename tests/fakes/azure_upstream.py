@@ -39,7 +39,7 @@ from urllib.parse import parse_qs, unquote
 
 import orjson
 
-from tests.fakes.asgi import lifespan
+from tests.fakes.asgi import lifespan, request_of
 from tests.fakes.responses_upstream import ResponsesFake
 
 Scope = MutableMapping[str, Any]
@@ -109,15 +109,10 @@ class AzureFake:
         if scope["type"] == "lifespan":
             await lifespan(receive, send)
             return
-        raw = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        received = await request_of(scope, receive)
+        if received is None:
+            return
+        raw, headers = received
         query = parse_qs(scope["query_string"].decode())
         try:
             body: Any = orjson.loads(raw)

@@ -61,6 +61,7 @@ from typing import Any, Final
 import orjson
 
 from tests.fakes.anthropic_upstream import AnthropicFake, Received, answer_text
+from tests.fakes.asgi import lifespan, request_of
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -200,20 +201,12 @@ class GeminiFake:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            await lifespan(receive, send)
+            return
+        received = await request_of(scope, receive)
+        if received is None:
+            return
+        raw, headers = received
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
