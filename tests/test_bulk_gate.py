@@ -416,7 +416,9 @@ async def test_no_gateway_preemption_when_off_or_the_server_orders_bulk_itself(
     the gateway aborts nothing; the interactive request is served all the same."""
     profile = PREEMPT_PROFILE
     if mode == "bulk_priority":
-        profile = PREEMPT_PROFILE.model_copy(update={"scheduling_policy": "priority"})
+        profile = PREEMPT_PROFILE.model_copy(
+            update={"scheduling_policy": "priority", "priority_preemption": "max_num_seqs"}
+        )
     limits = httpx.Limits(max_connections=50, max_keepalive_connections=20)
     async with (
         sims(profile) as (sim,),

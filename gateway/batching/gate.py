@@ -33,6 +33,11 @@ steers.
 
 On a FIFO vLLM server the gate also takes a slot back for an interactive arrival that would
 queue there: it preempts the youngest bulk work in flight (see gateway/batching/preempt.py).
+
+A priority server (`bulk_priority`) is trusted to preempt bulk for interactive requests only
+while it is seen to: vLLM V1 does not at a full batch, and a server caught letting interactive
+first tokens wait behind bulk is treated as a FIFO one until it preempts again
+(gateway/batching/kind.py).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gateway.batching.kind import ServerKind
 from gateway.batching.preempt import Hold, victims
 from gateway.config import BulkSpec
 from gateway.errors import OverloadedError
@@ -61,9 +67,13 @@ class Load(Protocol):
     """What the gate reads of one scrape of a server."""
 
     @property
+    def running(self) -> float: ...
+    @property
     def waiting(self) -> float: ...
     @property
     def kv_usage(self) -> float | None: ...
+    @property
+    def preemptions(self) -> float | None: ...
 
 
 class Server(Protocol):
@@ -128,6 +138,7 @@ class _Lane:
     last_cut: float = -1e9
     last_grow: float = -1e9
     last_interactive: float = -1e9
+    kind: ServerKind = field(default_factory=ServerKind)  # on a priority server: does it preempt?
 
 
 class _Steering:
@@ -169,6 +180,15 @@ class _Steering:
     def waiting(self) -> dict[str, int]:
         return {d: len(lane.waiters) for d, lane in self._lanes.items() if lane.shown}
 
+    def server_preempts(self) -> dict[str, bool]:
+        """Per deployment on a priority server (`bulk_priority`): whether the gate believes the
+        server preempts bulk for interactive requests at a full batch (for metrics)."""
+        return {
+            d: lane.kind.preempts
+            for d, lane in self._lanes.items()
+            if lane.shown and lane.upstream is not None and lane.upstream.prioritized
+        }
+
     def batch_weight(self, endpoint: str, inputs: int, n: int = 1) -> float:
         """The slot-equivalents of a micro-batch of `inputs` (embeddings or prompts)."""
         if endpoint == "embeddings":
@@ -203,9 +223,36 @@ class _Steering:
                 under = ttft_s < unloaded * spec.grow_under_unloaded
                 fast = under and (fast or not budget_s)
         if slow:
+            self._strike(lane)
             self._cut(lane, now)
         elif fast:
             self._grow(lane, now)
+
+    # -- what kind of server it is --
+
+    def _protects(self, lane: _Lane) -> bool:
+        """The server itself keeps interactive requests ahead of bulk: it serves bulk at a lower
+        priority and is believed to preempt it for them."""
+        up = lane.upstream
+        return up is not None and up.prioritized and lane.kind.preempts
+
+    def _strike(self, lane: _Lane) -> None:
+        """A late interactive first token: on a priority server that had every slot running,
+        bulk among them, and KV room to spare, it did not preempt for it."""
+        up = lane.upstream
+        if up is None or not up.prioritized:
+            return
+        load, slots = up.state.current(), up.state.slots
+        if load is None or not slots:
+            return
+        lane.kind.late(
+            bulk_in_flight=lane.units > 0,
+            slots_full=load.running >= slots,
+            kv_free=self._kv_free(load),
+        )
+
+    def _kv_free(self, load: Load) -> bool:
+        return load.kv_usage is None or load.kv_usage < self._spec.kv_full
 
     # -- the policy --
 
@@ -222,10 +269,11 @@ class _Steering:
         if up is None:
             return lane.limit
         present = lane.interactive > 0 or now - lane.last_interactive < QUIET_S
-        if lane.full and present and not up.prioritized:
+        protects = self._protects(lane)
+        if lane.full and present and not protects:
             return 0.0  # a FIFO server with a queue: bulk must not add to it
         cap = self._capacity(lane)
-        if not up.prioritized:  # interactive arrivals queue behind whatever bulk holds
+        if not protects:  # interactive arrivals queue behind whatever bulk holds
             cap = max(cap - self._spec.reserve_slots, 1.0)
         return max(0.0, min(lane.limit, cap - lane.interactive))
 
@@ -249,10 +297,14 @@ class _Steering:
         if load is lane.seen:
             return
         lane.seen = load
-        kv_full = load.kv_usage is not None and load.kv_usage >= self._spec.kv_full
+        kv_full = not self._kv_free(load)
         lane.full = load.waiting > 0 or kv_full
+        if up.prioritized:
+            lane.kind.scraped(
+                load.preemptions, interactive=lane.interactive > 0, kv_free=not kv_full
+            )
         present = lane.interactive > 0 or now - lane.last_interactive < QUIET_S
-        if present and (kv_full or (lane.full and not up.prioritized)):
+        if present and (kv_full or (lane.full and not self._protects(lane))):
             self._cut(lane, now)
 
     def _cut(self, lane: _Lane, now: float) -> None:
@@ -313,7 +365,8 @@ class _Steering:
 
 class BulkGate(_Steering):
     """Admission of bulk work within the steered limits, the interactive requests it leaves
-    room for, and preemption of bulk work for them on FIFO servers."""
+    room for, and preemption of bulk work for them on FIFO servers (and on priority servers
+    that do not preempt it themselves)."""
 
     # -- interactive traffic --
 
@@ -378,7 +431,8 @@ class BulkGate(_Steering):
             self._steer(lane, self._clock())
             self._wake(lane)
 
-    # -- preemption (FIFO vLLM servers; see gateway/batching/preempt.py) --
+    # -- preemption (FIFO vLLM servers, and priority ones that do not preempt at a full batch;
+    # see gateway/batching/preempt.py) --
 
     def hold(self, deployment: str, weight: float, preemptions: int) -> Hold:
         """Bulk work holding `weight` slot-equivalents starts: the gate may preempt it (set its
@@ -411,7 +465,7 @@ class BulkGate(_Steering):
         no slot left for it (by the gate's count, or a queue in the last scrape), preempt the
         youngest bulk work until one is."""
         up, spec = lane.upstream, self._spec
-        if up is None or up.prioritized or not spec.preempt:
+        if up is None or self._protects(lane) or not spec.preempt:
             return
         self._steer(lane, self._clock())
         slots = up.state.slots
