@@ -223,7 +223,8 @@ class _Steering:
                 under = ttft_s < unloaded * spec.grow_under_unloaded
                 fast = under and (fast or not budget_s)
         if slow:
-            self._strike(lane)
+            if self._strike(lane):
+                self._distrusted(deployment, lane)
             self._cut(lane, now)
         elif fast:
             self._grow(lane, now)
@@ -236,20 +237,24 @@ class _Steering:
         up = lane.upstream
         return up is not None and up.prioritized and lane.kind.preempts
 
-    def _strike(self, lane: _Lane) -> None:
+    def _strike(self, lane: _Lane) -> bool:
         """A late interactive first token: on a priority server that had every slot running,
-        bulk among them, and KV room to spare, it did not preempt for it."""
+        bulk among them, and KV room to spare, it did not preempt for it. True when the gate
+        stops trusting the server."""
         up = lane.upstream
         if up is None or not up.prioritized:
-            return
+            return False
         load, slots = up.state.current(), up.state.slots
         if load is None or not slots:
-            return
-        lane.kind.late(
+            return False
+        return lane.kind.late(
             bulk_in_flight=lane.units > 0,
             slots_full=load.running >= slots,
             kv_free=self._kv_free(load),
         )
+
+    def _distrusted(self, deployment: str, lane: _Lane) -> None:
+        """The gate stopped trusting the server to preempt (BulkGate frees a slot at once)."""
 
     def _kv_free(self, load: Load) -> bool:
         return load.kv_usage is None or load.kv_usage < self._spec.kv_full
@@ -386,6 +391,11 @@ class BulkGate(_Steering):
         if lane.waiters:
             self._wake(lane)
 
+    def _distrusted(self, deployment: str, lane: _Lane) -> None:
+        """Interactive requests may be waiting behind bulk at the server right now: free the
+        slots they lack by the gate's count."""
+        self._make_room(deployment, lane, lane.interactive, arriving=False)
+
     # -- bulk work --
 
     async def acquire(self, deployment: str, weight: float = 1.0) -> None:
@@ -460,17 +470,20 @@ class BulkGate(_Steering):
         assert hold.waiter is not None
         await self._turn(hold.deployment, self._lane(hold.deployment), hold.waiter, hold.weight)
 
-    def _make_room(self, deployment: str, lane: _Lane, ahead: int) -> None:
+    def _make_room(
+        self, deployment: str, lane: _Lane, ahead: int, *, arriving: bool = True
+    ) -> None:
         """An interactive request arrives with `ahead` others in flight: on a FIFO server with
         no slot left for it (by the gate's count, or a queue in the last scrape), preempt the
-        youngest bulk work until one is."""
+        youngest bulk work until one is. Not `arriving`: free what the `ahead` lack, by the
+        gate's count alone (a queue in the last scrape may be theirs, already seated)."""
         up, spec = lane.upstream, self._spec
         if up is None or self._protects(lane) or not spec.preempt:
             return
         self._steer(lane, self._clock())
         slots = up.state.slots
-        need = ahead + lane.units - slots + 1 if slots else 0.0
-        if lane.full:
+        need = ahead + lane.units - slots + arriving if slots else 0.0
+        if lane.full and arriving:
             need = max(need, 1.0)
         freed = 0.0
         for hold in victims(lane.holds, need, spec.max_preemptions):
