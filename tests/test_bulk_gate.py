@@ -280,7 +280,10 @@ async def test_a_queue_at_the_server_holds_bulk_back_until_it_drains() -> None:
             await sim.hold(client, MAX_BATCH + 1)  # every slot taken, one more waiting
             interactive = asyncio.create_task(ask(client, gw.url))
             await sim.wait(lambda s: s.waiting == 2)  # the interactive request queues too
-            await sim.read_by_gateway()
+            # The gateway holds a fresh scrape showing the queue (a stale one counts as unknown).
+            await gateway_shows(
+                client, gw.url, 'tailguard_vllm_requests_waiting{provider="up"} 2.0'
+            )
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             bulk = asyncio.create_task(
                 client.post(gw.url + "/v1/chat/completions", json=body, headers=BULK)
