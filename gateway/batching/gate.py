@@ -124,11 +124,13 @@ class _Floor:
 
 @dataclass(slots=True)
 class _Lane:
+    deployment: str
     limit: float
     upstream: Upstream | None
     units: float = 0.0  # bulk slot-equivalents in flight
     waiters: deque[tuple[asyncio.Future[None], float]] = field(default_factory=deque)
     interactive: int = 0  # interactive requests in flight
+    awaiting: deque[float] = field(default_factory=deque)  # when those without a first token began
     shown: bool = False  # bulk or a first token was seen: the lane is in the metrics
     full: bool = False  # the latest scrape showed the server full
     seen: Load | None = None  # the scrape `full` was read from
@@ -163,7 +165,8 @@ class _Steering:
     def _lane(self, deployment: str) -> _Lane:
         lane = self._lanes.get(deployment)
         if lane is None:
-            lane = _Lane(float(self._spec.initial_concurrency), self._servers.get(deployment))
+            spec, upstream = self._spec, self._servers.get(deployment)
+            lane = _Lane(deployment, float(spec.initial_concurrency), upstream)
             self._lanes[deployment] = lane
         return lane
 
@@ -206,6 +209,8 @@ class _Steering:
         lane.shown = True
         now = self._clock()
         lane.last_interactive = now
+        if lane.awaiting:
+            lane.awaiting.popleft()
         self._steer(lane, now)
         spec = self._spec
         slow = fast = False
@@ -223,8 +228,7 @@ class _Steering:
                 under = ttft_s < unloaded * spec.grow_under_unloaded
                 fast = under and (fast or not budget_s)
         if slow:
-            if self._strike(lane):
-                self._distrusted(deployment, lane)
+            self._strike(lane)
             self._cut(lane, now)
         elif fast:
             self._grow(lane, now)
@@ -237,23 +241,32 @@ class _Steering:
         up = lane.upstream
         return up is not None and up.prioritized and lane.kind.preempts
 
-    def _strike(self, lane: _Lane) -> bool:
-        """A late interactive first token: on a priority server that had every slot running,
-        bulk among them, and KV room to spare, it did not preempt for it. True when the gate
-        stops trusting the server."""
+    def _strike(self, lane: _Lane) -> None:
+        """An interactive request late for its first token (or seen waiting at the server): on
+        a priority server that had every slot running, bulk among them, and KV room to spare, it
+        did not preempt for it."""
         up = lane.upstream
         if up is None or not up.prioritized:
-            return False
+            return
         load, slots = up.state.current(), up.state.slots
         if load is None or not slots:
-            return False
-        return lane.kind.late(
+            return
+        if lane.kind.late(
             bulk_in_flight=lane.units > 0,
             slots_full=load.running >= slots,
             kv_free=self._kv_free(load),
-        )
+        ):
+            self._distrusted(lane)
 
-    def _distrusted(self, deployment: str, lane: _Lane) -> None:
+    def _waited(self, lane: _Lane, now: float) -> bool:
+        """An interactive request in flight has waited for its first token longer than an
+        unloaded server takes (when that is known): the queue the last scrape shows holds it."""
+        if not lane.awaiting:
+            return False
+        floors = [f for f in (f.value(now) for f in lane.floors.values()) if f is not None]
+        return not floors or now - lane.awaiting[0] > min(floors) * self._spec.backoff_over_unloaded
+
+    def _distrusted(self, lane: _Lane) -> None:
         """The gate stopped trusting the server to preempt (BulkGate frees a slot at once)."""
 
     def _kv_free(self, load: Load) -> bool:
@@ -305,9 +318,11 @@ class _Steering:
         kv_full = not self._kv_free(load)
         lane.full = load.waiting > 0 or kv_full
         if up.prioritized:
-            lane.kind.scraped(
+            rose = lane.kind.scraped(
                 load.preemptions, interactive=lane.interactive > 0, kv_free=not kv_full
             )
+            if not rose and load.waiting > 0 and self._waited(lane, now):
+                self._strike(lane)  # one is waiting at the server now, and nothing preempted
         present = lane.interactive > 0 or now - lane.last_interactive < QUIET_S
         if present and (kv_full or (lane.full and not self._protects(lane))):
             self._cut(lane, now)
@@ -381,6 +396,7 @@ class BulkGate(_Steering):
         ahead = lane.interactive
         lane.interactive += 1
         lane.last_interactive = self._clock()
+        lane.awaiting.append(lane.last_interactive)
         if lane.holds:
             self._make_room(deployment, lane, ahead)
 
@@ -388,13 +404,15 @@ class BulkGate(_Steering):
         lane = self._lane(deployment)
         lane.interactive -= 1
         lane.last_interactive = self._clock()
+        while len(lane.awaiting) > lane.interactive:  # ended before a first token
+            lane.awaiting.popleft()
         if lane.waiters:
             self._wake(lane)
 
-    def _distrusted(self, deployment: str, lane: _Lane) -> None:
+    def _distrusted(self, lane: _Lane) -> None:
         """Interactive requests may be waiting behind bulk at the server right now: free the
         slots they lack by the gate's count."""
-        self._make_room(deployment, lane, lane.interactive, arriving=False)
+        self._make_room(lane.deployment, lane, lane.interactive, arriving=False)
 
     # -- bulk work --
 

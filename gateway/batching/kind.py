@@ -7,10 +7,12 @@ interactive request waits at the head of the queue until a bulk sequence ends
 (vllm-project/vllm issue #40004; pull requests #45558, #45561 and #54530 would change that).
 The gate starts trusting the server to preempt, and watches:
 
-- A *strike*: an interactive first token came late (the gate's own test of lateness) while bulk
-  was in flight on the deployment, and the latest scrape showed every learned slot running with
-  the KV cache below `kv_full`: the server had the room to preempt for it and did not (its
-  preemption counter did not rise). `DISTRUST_AFTER` strikes and the gate stops trusting it:
+- A *strike*: an interactive first token came late (the gate's own test of lateness), or a
+  scrape shows requests waiting while an interactive one has waited for its first token longer
+  than an unloaded server takes and the preemption counter has not risen since the scrape
+  before; in both cases with bulk in flight on the deployment and the latest scrape showing
+  every learned slot running with the KV cache below `kv_full`: the server had the room to
+  preempt for it and did not. `DISTRUST_AFTER` strikes and the gate stops trusting it:
   bulk is then held back as on a first-come-first-served server, and the gate preempts its
   own bulk work for interactive arrivals.
 - Trust comes back when `vllm:num_preemptions_total` rises between two scrapes while interactive
@@ -33,14 +35,15 @@ class ServerKind:
     strikes: int = 0
     counter: float | None = None  # vllm:num_preemptions_total at the last scrape read
 
-    def scraped(self, preemptions: float | None, *, interactive: bool, kv_free: bool) -> None:
+    def scraped(self, preemptions: float | None, *, interactive: bool, kv_free: bool) -> bool:
         """A new scrape: a rise of the preemption counter with interactive requests in flight
-        and KV room to spare means the server preempted for them."""
+        and KV room to spare means the server preempted for them. True when it rose."""
         before, self.counter = self.counter, preemptions
         if before is None or preemptions is None or preemptions <= before:
-            return
+            return False
         if interactive and kv_free:
             self.preempts, self.strikes = True, 0
+        return True
 
     def late(self, *, bulk_in_flight: bool, slots_full: bool, kv_free: bool) -> bool:
         """An interactive first token came late; True when that made the gate stop trusting
