@@ -241,6 +241,30 @@ async def test_a_priority_server_that_lets_interactive_requests_wait_is_not_trus
     assert g.limits() == {"d": 4}
 
 
+async def test_scrapes_showing_an_interactive_request_queued_behind_bulk_are_strikes() -> None:
+    """Two scrapes showing a queue while an interactive request waits for its first token, bulk
+    in every slot and no preemption counted: the server is not trusted, and bulk gets nothing
+    while the queue lasts (as on a FIFO server). On a server whose counter rises for the waiting
+    request, the queue (its preempted bulk) is no strike."""
+    clock = Clock()
+    v1 = on_vllm(clock, v1_state := server(clock, slots=4), prioritized=True)
+    pre = on_vllm(clock, pre_state := server(clock, slots=4), prioritized=True)
+    for g in (v1, pre):
+        await g.acquire("d")
+        g.enter("d")
+    for preempted in (0, 1):
+        clock.now += 0.25
+        scrape(v1_state, clock, waiting=1, preemptions=0)
+        scrape(pre_state, clock, waiting=1, preemptions=preempted)
+        assert pre.limits() == {"d": 3} and v1.limits() == {"d": 0 if preempted else 3}
+    assert v1.server_preempts() == {"d": False}
+    assert pre.server_preempts() == {"d": True}
+    pre.observe("d", 0.05, 1.0)  # its first token: nobody waits for one now
+    clock.now += 0.25
+    scrape(pre_state, clock, waiting=1, preemptions=1)  # the preempted bulk, still queued
+    assert pre.limits() == {"d": 3} and pre.server_preempts() == {"d": True}
+
+
 def test_first_tokens_well_above_the_unloaded_ttft_halve_the_limit() -> None:
     """On vLLM with known load, an interactive TTFT 2x the fastest of the last minute halves the
     limit though it is far inside its budget; without server load only the budget counts."""
