@@ -243,9 +243,9 @@ async def test_a_priority_server_that_lets_interactive_requests_wait_is_not_trus
 
 async def test_scrapes_showing_an_interactive_request_queued_behind_bulk_are_strikes() -> None:
     """Two scrapes showing a queue while an interactive request waits for its first token, bulk
-    in every slot and no preemption counted: the server is not trusted, and bulk gets nothing
-    while the queue lasts (as on a FIFO server). On a server whose counter rises for the waiting
-    request, the queue (its preempted bulk) is no strike."""
+    in every slot and no preemption counted: the server is not trusted, and bulk keeps a slot in
+    reserve. On a server whose counter rises for the waiting request, the queue (its preempted
+    bulk) is no strike."""
     clock = Clock()
     v1 = on_vllm(clock, v1_state := server(clock, slots=4), prioritized=True)
     pre = on_vllm(clock, pre_state := server(clock, slots=4), prioritized=True)
@@ -256,7 +256,7 @@ async def test_scrapes_showing_an_interactive_request_queued_behind_bulk_are_str
         clock.now += 0.25
         scrape(v1_state, clock, waiting=1, preemptions=0)
         scrape(pre_state, clock, waiting=1, preemptions=preempted)
-        assert pre.limits() == {"d": 3} and v1.limits() == {"d": 0 if preempted else 3}
+        assert pre.limits() == {"d": 3} and v1.limits() == {"d": 2 if preempted else 3}
     assert v1.server_preempts() == {"d": False}
     assert pre.server_preempts() == {"d": True}
     pre.observe("d", 0.05, 1.0)  # its first token: nobody waits for one now
@@ -572,25 +572,29 @@ async def test_a_priority_server_that_does_not_preempt_at_a_full_batch_gets_slot
             belief = 'tailguard_bulk_server_preempts{deployment="up/local"}'
             long = bulk_of(client, gw.url, 2_000)  # runs through the whole test
             await sim.wait(lambda s: s.running == 1)
+            shorts = []
             for _ in range(2):
-                short = bulk_of(client, gw.url, 40)  # ~0.4 s
+                shorts.append(bulk_of(client, gw.url, 40))  # ~0.4 s
                 await sim.wait(lambda s: s.running == 2)  # bulk in every slot
                 await gateway_shows(client, gw.url, f"{belief} 1.0")
                 late = asyncio.create_task(ask(client, gw.url, max_tokens=2))
                 await sim.wait(lambda s: s.waiting == 1)  # it waits behind bulk
                 assert served_well(await late)
-                assert (await short).status_code == 200
+                if not await preemptions(client, gw.url):
+                    assert (await shorts[-1]).status_code == 200
             assert sim.stats.preemptions == 0  # the server never preempted bulk for it
             await gateway_shows(client, gw.url, f"{belief} 0.0")
+            # The gate may have taken the last short bulk chat's slot back at once, if it caught
+            # the second interactive request still waiting; it waits at the gate then.
+            requeued = int(await preemptions(client, gw.url))
             # Bulk now keeps a slot free: two more bulk chats wait at the gate.
             more = [bulk_of(client, gw.url, 40) for _ in range(2)]
-            await gate_shows(client, gw.url, limit=1, waiting=2)
+            await gate_shows(client, gw.url, limit=1, waiting=2 + requeued)
             assert (sim.stats.running, sim.stats.waiting) == (1, 0)
             interactive = asyncio.create_task(ask(client, gw.url, max_tokens=2))
-            await gate_shows(client, gw.url, limit=0, waiting=2)  # none while it runs
+            await gate_shows(client, gw.url, limit=0, waiting=2 + requeued)  # none while it runs
             assert served_well(await interactive)
             assert sim.stats.waiting == 0 and sim.stats.preemptions == 0
-            long.cancel()
-            for task in more:
+            for task in (long, *shorts, *more):
                 task.cancel()
-            await asyncio.gather(long, *more, return_exceptions=True)
+            await asyncio.gather(long, *shorts, *more, return_exceptions=True)

@@ -287,11 +287,10 @@ class _Steering:
         if up is None:
             return lane.limit
         present = lane.interactive > 0 or now - lane.last_interactive < QUIET_S
-        protects = self._protects(lane)
-        if lane.full and present and not protects:
+        if lane.full and present and not up.prioritized:
             return 0.0  # a FIFO server with a queue: bulk must not add to it
         cap = self._capacity(lane)
-        if not protects:  # interactive arrivals queue behind whatever bulk holds
+        if not self._protects(lane):  # interactive arrivals wait for whatever bulk holds
             cap = max(cap - self._spec.reserve_slots, 1.0)
         return max(0.0, min(lane.limit, cap - lane.interactive))
 
@@ -324,8 +323,8 @@ class _Steering:
             if not rose and load.waiting > 0 and self._waited(lane, now):
                 self._strike(lane)  # one is waiting at the server now, and nothing preempted
         present = lane.interactive > 0 or now - lane.last_interactive < QUIET_S
-        if present and (kv_full or (lane.full and not self._protects(lane))):
-            self._cut(lane, now)
+        if present and (kv_full or (lane.full and not up.prioritized)):
+            self._cut(lane, now)  # a priority server serves its queue's interactive ones first
 
     def _cut(self, lane: _Lane, now: float) -> None:
         if now - lane.last_cut >= self._spec.cooldown_s:
