@@ -35,9 +35,10 @@ On a FIFO vLLM server the gate also takes a slot back for an interactive arrival
 queue there: it preempts the youngest bulk work in flight (see gateway/batching/preempt.py).
 
 A priority server (`bulk_priority`) is trusted to preempt bulk for interactive requests only
-while it is seen to: vLLM V1 does not at a full batch, and a server caught letting interactive
-first tokens wait behind bulk is treated as a FIFO one until it preempts again
-(gateway/batching/kind.py).
+while it is seen to: vLLM V1 does not at a full batch. On a server caught letting interactive
+requests wait behind running bulk the gate keeps `reserve_slots` free and preempts its own bulk,
+as on a FIFO server (its queue, served by priority, still takes bulk), until the server is seen
+preempting (gateway/batching/kind.py).
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ The gate starts trusting the server to preempt, and watches:
   than an unloaded server takes and the preemption counter has not risen since the scrape
   before; in both cases with bulk in flight on the deployment and the latest scrape showing
   every learned slot running with the KV cache below `kv_full`: the server had the room to
-  preempt for it and did not. `DISTRUST_AFTER` strikes and the gate stops trusting it:
-  bulk is then held back as on a first-come-first-served server, and the gate preempts its
-  own bulk work for interactive arrivals.
+  preempt for it and did not. `DISTRUST_AFTER` strikes and the gate stops trusting it: bulk
+  then leaves `reserve_slots` free, as on a first-come-first-served server, and the gate
+  preempts its own bulk work for interactive requests that would wait for a slot.
 - Trust comes back when `vllm:num_preemptions_total` rises between two scrapes while interactive
   requests are in flight and the KV cache is not full: the server preempted for them (a vLLM
   that preempts at `max_num_seqs`), not for KV room.
