@@ -80,6 +80,7 @@ class GateSampler:
         self.port = port
         self.limits: list[float] = []
         self.waiting: list[float] = []
+        self.trusted: list[float] = []  # tailguard_bulk_server_preempts (priority servers)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gate-sampler", daemon=True)
 
@@ -93,6 +94,9 @@ class GateSampler:
                     self.limits.append(limit)
                 if waiting is not None:
                     self.waiting.append(waiting)
+                trusted = metric_samples(self.port, "tailguard_bulk_server_preempts").get(label)
+                if trusted is not None:
+                    self.trusted.append(trusted)
 
     def __enter__(self) -> GateSampler:
         self._thread.start()
@@ -113,6 +117,14 @@ class GateSampler:
             # How often the gate let in at least as many bulk chats as the server has slots.
             "share_at_or_above_slots": sum(v >= slots for v in self.limits) / len(self.limits),
             "waiting_median": statistics.median(self.waiting) if self.waiting else None,
+            # How often the gate believed the server preempts bulk for interactive requests,
+            # and the first sample where it did not (a priority server only).
+            "server_preempts_share": (
+                sum(self.trusted) / len(self.trusted) if self.trusted else None
+            ),
+            "distrusted_after_s": next(
+                (i * GATE_SAMPLE_S for i, v in enumerate(self.trusted) if not v), None
+            ),
         }
 
 

@@ -19,10 +19,10 @@ SIM_PROFILE: Final[Mapping[str, float | int]] = {
     "embed_base_ms": 20,
     "embed_ms_per_input": 0.2,
     "embedding_dims": 16,
-    "prefill_base_ms": 50,
-    "tokens_per_s": 200,
+    "prefill_base_ms": 60,
+    "prefill_ms_per_token": 0.2,
+    "tokens_per_s": 100,  # 10 ms a token
     "output_tokens": 16,
-    "batch_slowdown": 0.5,
 }
 BATCHING: Final[Mapping[str, int]] = {
     "max_batch_size": 64,
@@ -34,7 +34,7 @@ BATCHING: Final[Mapping[str, int]] = {
 BULK: Final[Mapping[str, int]] = {"embedding_inputs_per_slot": BATCHING["max_batch_size"]}
 METRICS_INTERVAL_S: Final = 0.25  # how often the gateway reads the server's /metrics
 BULK_PRIORITY: Final = 10  # vLLM `priority` of bulk requests in the priority mode (lower first)
-TTFT_BUDGET_MS: Final = 150
+TTFT_BUDGET_MS: Final = 250
 CHAT_TOKENS: Final = 16
 BULK_EMBED_CLIENTS: Final = 64
 BULK_EMBED_INPUTS: Final = 8
@@ -50,19 +50,28 @@ CAPPED_INFLIGHT: Final = 1
 
 @dataclass(frozen=True, slots=True)
 class ServerMode:
-    """How the simulated server orders its queue, and whether the gateway marks bulk."""
+    """How the simulated server orders its queue and preempts, and whether the gateway marks
+    bulk."""
 
     name: str
     policy: str  # the simulator's scheduling_policy
     bulk_priority: int | None  # the provider's bulk_priority
+    preemption: str = "kv_cache"  # the simulator's priority_preemption
 
     def profile(self) -> dict[str, Any]:
-        return {**SIM_PROFILE, "scheduling_policy": self.policy}
+        return {
+            **SIM_PROFILE,
+            "scheduling_policy": self.policy,
+            "priority_preemption": self.preemption,
+        }
 
 
 MODES: Final = (
     ServerMode("fifo", "fcfs", None),
+    # vLLM V1 as released: priority orders the queue; no preemption at a full batch.
     ServerMode("priority", "priority", BULK_PRIORITY),
+    # As vLLM's open pull requests would have it: a better request preempts at a full batch.
+    ServerMode("priority-preempt", "priority", BULK_PRIORITY, "max_num_seqs"),
 )
 
 
@@ -109,7 +118,7 @@ class BulkMix:
     chat_clients: int
 
 
-FULL_MIX: Final = BulkMix("embeddings + chat", BULK_EMBED_CLIENTS, BULK_CHAT_CLIENTS)
+FULL_MIX: Final = BulkMix("chat", 0, BULK_CHAT_CLIENTS)  # part B's batch job: bulk chat
 
 
 def embed_request(inputs: int, *, bulk: bool) -> Request:

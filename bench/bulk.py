@@ -1,28 +1,32 @@
 """Bulk traffic: what micro-batching buys, and what bulk work costs interactive users.
 
 Scenario. One simulated GPU server (`tailguard sim`, a process of its own) with one model,
-`shared`, that serves both embeddings and chat from one pool of `max_batch` = 4 slots: an
-embeddings call holds a slot for 20 ms + 0.2 ms per input; a chat sequence holds one through
-prefill (50 ms) and decode (16 tokens at 200 tokens/s, each step up to 50% slower as the pool
-fills, `batch_slowdown`). Chat and embeddings share the slots because they name the same
-simulated model (the simulator keeps one pool per model name and `max_batch`), so bulk
-embeddings, bulk chat and interactive chat compete for the same capacity, as they would on one
-GPU server. The gateway (`tailguard serve`, a real process) reaches it as a provider of `type:
-vllm` whose `/metrics` it reads every 0.25 s, and serves two model names on that one deployment
-(`gpu/shared`):
+`shared`, that serves both embeddings and chat from one pool of `max_batch` = 4 slots (vLLM's
+`max_num_seqs`): an embeddings call holds a slot for 20 ms + 0.2 ms per input; a chat sequence
+holds one through prefill (60 ms + 0.2 ms per prompt token) and decode (16 tokens, 10 ms each).
+Chat and embeddings share the slots because they name the same simulated model (the simulator
+keeps one pool per model name and `max_batch`), so bulk embeddings, bulk chat and interactive
+chat compete for the same capacity, as they would on one GPU server. The gateway (`tailguard
+serve`, a real process) reaches it as a provider of `type: vllm` whose `/metrics` it reads
+every 0.25 s, and serves two model names on that one deployment (`gpu/shared`):
 
 - `embed`, with `batching: {max_batch_size: 64, max_wait_ms: 10, max_inflight: 4}`;
-- `chat`, with a TTFT budget of 150 ms (about 3x its unloaded TTFT) and `on_ttft_miss: none`
-  (one deployment: nothing to fail over to). `routing.bulk` keeps its defaults but for
-  `embedding_inputs_per_slot: 64` (the simulator embeds a whole call on one slot, so a micro-batch
-  weighs one slot-equivalent, as a bulk chat does).
+- `chat`, with a TTFT budget of 250 ms and `on_ttft_miss: none` (one deployment: nothing to
+  fail over to). `routing.bulk` keeps its defaults but for `embedding_inputs_per_slot: 64` (the
+  simulator embeds a whole call on one slot, so a micro-batch weighs one slot-equivalent, as a
+  bulk chat does).
 
-Two server modes, each its own simulator, both in every run of part B:
+Three server modes, each its own simulator, all in every run of part B:
 
 - `fifo`: `scheduling_policy: fcfs`, first come, first served; the gateway sends no priority.
   Nothing but the gateway's admission keeps an interactive request from queueing behind bulk.
-- `priority`: `scheduling_policy: priority` with preemption, and the provider's `bulk_priority:
-  10`: the server serves interactive requests first and preempts bulk sequences for them.
+- `priority`: vLLM V1 as released: `scheduling_policy: priority` (`priority_preemption:
+  kv_cache`), and the provider's `bulk_priority: 10`. The server serves interactive requests
+  before waiting bulk, but preempts only for KV-cache room: with every slot taken by bulk an
+  interactive request waits for a bulk sequence to end (vllm-project/vllm issue #40004).
+- `priority-preempt`: the same with `priority_preemption: max_num_seqs`, a server that also
+  preempts a running bulk sequence for an interactive request at a full batch (what vLLM's open
+  pull requests propose).
 
 Batched versus unbatched is the same model and the same deployment, told apart by the request
 header alone: with `x-tailguard-priority: bulk` an embeddings request goes through the
@@ -33,20 +37,20 @@ Part A (fifo server). `--requests` (2,000) single-input embeddings requests from
 (64) clients back to back (closed loop), unbatched and then batched: throughput, latency
 p50/p99, and inputs per upstream call. Target: batched throughput >= 5x unbatched.
 
-Part B, per server mode. Interactive streaming chat, Poisson arrivals at `--rps` (5/s), for
+Part B, per server mode. Interactive streaming chat, Poisson arrivals at `--rps` (4/s), for
 `--duration` seconds: TTFT from each request's scheduled send time to its first content event (a
 request that got no first token ranks above every answered one). Phases: (a) `alone`; (b) `bulk
 alone`: the bulk load and no interactive traffic, for its unloaded throughput; (c) `with bulk`:
-interactive chat while bulk traffic saturates the server: 64 clients sending 8-input bulk
-embeddings requests back to back (512 inputs in play) and 16 clients sending non-streaming bulk
-chat requests (through the gate, as the batches are) back to back. The bulk clients run in a
-process of their own, started `--ramp` seconds before the measurement (so interactive users
-arrive at a server already busy with a batch job, as they do); their throughput is over their
-whole run, the ramp included, in (b) and (c) alike. Targets: priority: TTFT p99 (c) <= 1.2x (a),
-and bulk throughput (c) >= 70% of (b), embeddings inputs/s and chat/s each; fifo: TTFT p99 (c)
-<= 2x (a). The p99 of the requests due 5 s or more into the window ("settled") is shown too.
-Unless `--no-diagnostics`, also: the two kinds of bulk work one at a time (which one hurts), and
-a what-if with bulk capped statically (`routing.bulk.max_concurrency: 1`, `max_inflight: 1`).
+interactive chat while bulk traffic saturates the server: 16 clients sending non-streaming bulk
+chat requests (through the gate) back to back. The bulk clients run in a process of their own,
+started `--ramp` seconds before the measurement (so interactive users arrive at a server
+already busy with a batch job, as they do); their throughput is over their whole run, the ramp
+included, in (b) and (c) alike. Targets: priority: TTFT p99 (c) <= 1.3x (a) and bulk throughput
+(c) >= 50% of (b); priority-preempt: <= 1.2x and >= 70%; fifo: TTFT p99 (c) <= 2x (a). The p99
+of the requests due 5 s or more into the window ("settled") is shown too. Unless
+`--no-diagnostics`, also: bulk embeddings (64 clients of 8-input requests, micro-batched) alone
+and with the bulk chat, and a what-if with bulk capped statically
+(`routing.bulk.max_concurrency: 1`, `max_inflight: 1`).
 Every phase gets a fresh gateway (no gate limit or latency window carried over). The gate's
 limit (`tailguard_bulk_concurrency_limit`) and queue are sampled every 250 ms.
 
@@ -147,7 +151,12 @@ def phases_of(opts: Options) -> list[tuple[str, BulkMix | None, dict[str, Any], 
     if opts.diagnostics:
         phases += [
             ("bulk embeddings only", BulkMix("embeddings", BULK_EMBED_CLIENTS, 0), {}, True),
-            ("bulk chat only", BulkMix("chat", 0, BULK_CHAT_CLIENTS), {}, True),
+            (
+                "bulk embeddings + chat",
+                BulkMix("embeddings + chat", BULK_EMBED_CLIENTS, BULK_CHAT_CLIENTS),
+                {},
+                True,
+            ),
             (
                 "with bulk, capped (what-if)",
                 FULL_MIX,
@@ -216,12 +225,11 @@ def parse_args(argv: Sequence[str]) -> Options:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="500 requests, 15 s per phase")
     parser.add_argument("--parts", default="AB", help="A, B or AB (AB)")
-    parser.add_argument(
-        "--modes", default="fifo,priority", help="part B server modes (fifo,priority)"
-    )
+    every = ",".join(m.name for m in MODES)
+    parser.add_argument("--modes", default=every, help=f"part B server modes ({every})")
     parser.add_argument("--requests", type=int, default=None, help="part A requests (2000)")
     parser.add_argument("--workers", type=int, default=64, help="part A clients (64)")
-    parser.add_argument("--rps", type=float, default=5.0, help="interactive chats per second (5)")
+    parser.add_argument("--rps", type=float, default=4.0, help="interactive chats per second (4)")
     parser.add_argument("--duration", type=float, default=None, help="part B s per phase (60)")
     parser.add_argument("--ramp", type=float, default=3.0, help="bulk runs this long first (3)")
     parser.add_argument(
@@ -241,7 +249,7 @@ def parse_args(argv: Sequence[str]) -> Options:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     if not modes or set(modes) - {m.name for m in MODES}:
-        parser.error("--modes: fifo, priority or fifo,priority")
+        parser.error(f"--modes: some of {every}")
     return Options(
         parts=parts,
         modes=modes,

@@ -189,7 +189,9 @@ class Runtime:
                     lambda: (m.name for m in self.services.settings.models),
                 ),
                 AffinityCollector(lambda: self.services.affinity.counts),
-                BulkPreemptionsCollector(lambda: _preemptions(self.services)),
+                BulkPreemptionsCollector(
+                    lambda: _preemptions(self.services), lambda: _server_preempts(self.services)
+                ),
                 ResponsesStoreCollector(lambda: self.services.responses),
             )
             self.meters = Meters(self.registry, {})
@@ -445,6 +447,10 @@ def _upstreams(
 
 def _preemptions(services: Services) -> dict[str, int]:
     return dict(services.gate.preemptions) if services.gate is not None else {}
+
+
+def _server_preempts(services: Services) -> dict[str, bool]:
+    return services.gate.server_preempts() if services.gate is not None else {}
 
 
 def _batching_state(services: Services) -> BatchingState:

@@ -106,10 +106,19 @@ def server(clock: Clock, *, slots: float | None = None, waiting: float = 0.0) ->
     return state
 
 
-def scrape(state: ServerState, clock: Clock, *, waiting: float, kv: float = 0.1) -> None:
-    """A new page, as the scraper would store it."""
+def scrape(
+    state: ServerState,
+    clock: Clock,
+    *,
+    waiting: float,
+    kv: float = 0.1,
+    preemptions: float | None = None,
+) -> None:
+    """A new page, as the scraper would store it (4 requests running)."""
     state.previous = state.load
-    state.load = ServerLoad(4.0, waiting, kv, Histogram(), Histogram(), clock.now)
+    state.load = ServerLoad(
+        4.0, waiting, kv, Histogram(), Histogram(), clock.now, preemptions=preemptions
+    )
 
 
 def on_vllm(
@@ -198,6 +207,64 @@ async def test_a_full_queue_holds_bulk_while_interactive_requests_run() -> None:
     assert prio.limits() == {"d": 4}
 
 
+async def test_a_priority_server_that_lets_interactive_requests_wait_is_not_trusted() -> None:
+    """A priority server trusted to preempt: bulk may take every slot interactive requests do
+    not hold. Two late interactive first tokens while bulk runs in every slot with the KV cache
+    free (no preemption counted) and the gate treats it as a FIFO server (reserve and all);
+    a late one with a full KV cache is no evidence. The server's preemption counter rising
+    while interactive requests run, with KV room to spare, restores the trust."""
+    clock = Clock()
+    state = server(clock, slots=4)
+    g = on_vllm(clock, state, prioritized=True, min_concurrency=4)
+    await g.acquire("d")
+    g.enter("d")
+    assert g.limits() == {"d": 3} and g.server_preempts() == {"d": True}
+    clock.now += 1
+    scrape(state, clock, waiting=1, kv=0.97, preemptions=0)
+    g.observe("d", 0.9, 1.0)  # late, but the KV cache was full: the server could not help it
+    clock.now += 1
+    scrape(state, clock, waiting=1, preemptions=0)
+    for _ in range(2):
+        clock.now += 1
+        g.observe("d", 0.9, 1.0)
+    assert g.server_preempts() == {"d": False}
+    scrape(state, clock, waiting=0, preemptions=0)
+    g.leave("d")
+    assert g.limits() == {"d": 3}  # 4 slots - 1 in reserve, as on a FIFO server
+    g.enter("d")
+    assert g.limits() == {"d": 2}
+    clock.now += 1
+    scrape(state, clock, waiting=0, preemptions=1)
+    assert g.limits() == {"d": 3}  # the page, read: the server preempted for the one in flight
+    assert g.server_preempts() == {"d": True}
+    g.leave("d")
+    assert g.limits() == {"d": 4}
+
+
+async def test_scrapes_showing_an_interactive_request_queued_behind_bulk_are_strikes() -> None:
+    """Two scrapes showing a queue while an interactive request waits for its first token, bulk
+    in every slot and no preemption counted: the server is not trusted, and bulk keeps a slot in
+    reserve. On a server whose counter rises for the waiting request, the queue (its preempted
+    bulk) is no strike."""
+    clock = Clock()
+    v1 = on_vllm(clock, v1_state := server(clock, slots=4), prioritized=True)
+    pre = on_vllm(clock, pre_state := server(clock, slots=4), prioritized=True)
+    for g in (v1, pre):
+        await g.acquire("d")
+        g.enter("d")
+    for preempted in (0, 1):
+        clock.now += 0.25
+        scrape(v1_state, clock, waiting=1, preemptions=0)
+        scrape(pre_state, clock, waiting=1, preemptions=preempted)
+        assert pre.limits() == {"d": 3} and v1.limits() == {"d": 2 if preempted else 3}
+    assert v1.server_preempts() == {"d": False}
+    assert pre.server_preempts() == {"d": True}
+    pre.observe("d", 0.05, 1.0)  # its first token: nobody waits for one now
+    clock.now += 0.25
+    scrape(pre_state, clock, waiting=1, preemptions=1)  # the preempted bulk, still queued
+    assert pre.limits() == {"d": 3} and pre.server_preempts() == {"d": True}
+
+
 def test_first_tokens_well_above_the_unloaded_ttft_halve_the_limit() -> None:
     """On vLLM with known load, an interactive TTFT 2x the fastest of the last minute halves the
     limit though it is far inside its budget; without server load only the budget counts."""
@@ -237,7 +304,10 @@ async def test_a_queue_at_the_server_holds_bulk_back_until_it_drains() -> None:
             await sim.hold(client, MAX_BATCH + 1)  # every slot taken, one more waiting
             interactive = asyncio.create_task(ask(client, gw.url))
             await sim.wait(lambda s: s.waiting == 2)  # the interactive request queues too
-            await sim.read_by_gateway()
+            # The gateway holds a fresh scrape showing the queue (a stale one counts as unknown).
+            await gateway_shows(
+                client, gw.url, 'tailguard_vllm_requests_waiting{provider="up"} 2.0'
+            )
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             bulk = asyncio.create_task(
                 client.post(gw.url + "/v1/chat/completions", json=body, headers=BULK)
@@ -416,7 +486,9 @@ async def test_no_gateway_preemption_when_off_or_the_server_orders_bulk_itself(
     the gateway aborts nothing; the interactive request is served all the same."""
     profile = PREEMPT_PROFILE
     if mode == "bulk_priority":
-        profile = PREEMPT_PROFILE.model_copy(update={"scheduling_policy": "priority"})
+        profile = PREEMPT_PROFILE.model_copy(
+            update={"scheduling_policy": "priority", "priority_preemption": "max_num_seqs"}
+        )
     limits = httpx.Limits(max_connections=50, max_keepalive_connections=20)
     async with (
         sims(profile) as (sim,),
@@ -441,3 +513,88 @@ async def test_no_gateway_preemption_when_off_or_the_server_orders_bulk_itself(
             assert preempted(first) == preempted(second) == 0
             assert await preemptions(client, gw.url) == 0
             assert sim.stats.cancelled == cancelled
+
+
+# --- a priority server as vLLM V1 is (no preemption at a full batch), through the gateway --------
+
+V1_PROFILE = SimProfile(
+    max_batch=MAX_BATCH,
+    prefill_base_ms=20,
+    tokens_per_s=100,
+    output_tokens=100_000,
+    scheduling_policy="priority",  # priority_preemption: kv_cache, vLLM V1's
+)
+
+
+async def gateway_shows(client: httpx.AsyncClient, url: str, *lines: str) -> None:
+    """Return once the gateway's metrics show every one of `lines`."""
+    want = set(lines)
+    async with asyncio.timeout(WATCHDOG_S):
+        while True:
+            page = (await client.get(url + "/metrics")).text
+            if want <= set(page.splitlines()):
+                return
+            await asyncio.sleep(0.01)  # a poll with a deadline, for a state
+
+
+def bulk_of(client: httpx.AsyncClient, url: str, tokens: int) -> asyncio.Task[httpx.Response]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "index"}], "max_tokens": tokens}
+    return asyncio.create_task(client.post(url + "/v1/chat/completions", json=body, headers=BULK))
+
+
+async def test_a_priority_server_that_does_not_preempt_at_a_full_batch_gets_slots_kept_free() -> (
+    None
+):
+    """vLLM V1 with `bulk_priority`: bulk chats hold both slots, and an interactive request
+    waits at the server behind them (it preempts nothing) until one ends, twice. The gateway
+    then stops relying on the server (`tailguard_bulk_server_preempts` 0) and keeps bulk below
+    the server's slots: more bulk waits at the gate while one bulk chat runs, and the next
+    interactive request finds a slot."""
+    limits = httpx.Limits(max_connections=50, max_keepalive_connections=20)
+    async with (
+        sims(V1_PROFILE) as (sim,),
+        httpx.AsyncClient(timeout=WATCHDOG_S, limits=limits) as client,
+    ):
+        settings = gateway_settings(
+            {"up": vllm(sim, bulk_priority=10)},
+            [
+                {
+                    "name": "m",
+                    "deployments": [{"provider": "up", "model": "local"}],
+                    "budget": {"ttft_ms": 300},
+                    "on_ttft_miss": "none",
+                }
+            ],
+            routing={"bulk": {"min_concurrency": MAX_BATCH}},
+        )
+        async with run_gateway(settings) as gw:
+            await learned_slots(client, sim)
+            belief = 'tailguard_bulk_server_preempts{deployment="up/local"}'
+            long = bulk_of(client, gw.url, 2_000)  # runs through the whole test
+            await sim.wait(lambda s: s.running == 1)
+            shorts = []
+            for _ in range(2):
+                shorts.append(bulk_of(client, gw.url, 40))  # ~0.4 s
+                await sim.wait(lambda s: s.running == 2)  # bulk in every slot
+                await gateway_shows(client, gw.url, f"{belief} 1.0")
+                late = asyncio.create_task(ask(client, gw.url, max_tokens=2))
+                await sim.wait(lambda s: s.waiting == 1)  # it waits behind bulk
+                assert served_well(await late)
+                if not await preemptions(client, gw.url):
+                    assert (await shorts[-1]).status_code == 200
+            assert sim.stats.preemptions == 0  # the server never preempted bulk for it
+            await gateway_shows(client, gw.url, f"{belief} 0.0")
+            # The gate may have taken the last short bulk chat's slot back at once, if it caught
+            # the second interactive request still waiting; it waits at the gate then.
+            requeued = int(await preemptions(client, gw.url))
+            # Bulk now keeps a slot free: two more bulk chats wait at the gate.
+            more = [bulk_of(client, gw.url, 40) for _ in range(2)]
+            await gate_shows(client, gw.url, limit=1, waiting=2 + requeued)
+            assert (sim.stats.running, sim.stats.waiting) == (1, 0)
+            interactive = asyncio.create_task(ask(client, gw.url, max_tokens=2))
+            await gate_shows(client, gw.url, limit=0, waiting=2 + requeued)  # none while it runs
+            assert served_well(await interactive)
+            assert sim.stats.waiting == 0 and sim.stats.preemptions == 0
+            for task in (long, *shorts, *more):
+                task.cancel()
+            await asyncio.gather(long, *shorts, *more, return_exceptions=True)

@@ -155,7 +155,10 @@ async def test_a_better_arrival_preempts_strictly_lower_priorities_only_to_make_
     """An equal priority waits; a better arrival preempts the lowest-priority latest arrival and
     no more than it needs; one that all the lower ones could not make room for waits, preempting
     nobody, and is the first seated when room frees."""
-    async with sim(**KV, scheduling_policy="priority") as (engine, client):
+    async with sim(**KV, scheduling_policy="priority", priority_preemption="max_num_seqs") as (
+        engine,
+        client,
+    ):
         low = [Stream(client, body(SLOW, 30, 5))]
         await low[0].started()
         low.append(Stream(client, body(SLOW, 30, 5)))
@@ -186,6 +189,33 @@ async def test_a_better_arrival_preempts_strictly_lower_priorities_only_to_make_
         await until(engine, lambda s: s.running == 0)
     assert (engine.stats.completed, engine.stats.cancelled, engine.stats.preemptions) == (2, 3, 1)
     assert engine.stats.waiting == 0
+
+
+async def test_as_vllm_v1_a_better_arrival_waits_for_room_and_preempts_nobody() -> None:
+    """vLLM V1 (`priority_preemption: kv_cache`): a waiting request never preempts, even when
+    running sequences of a lower priority hold the room it needs; it waits at the head of the
+    queue (nobody behind it goes first) and is seated once room frees."""
+    async with sim(**KV, scheduling_policy="priority") as (engine, client):
+        low = [Stream(client, body(SLOW, 30, 5))]
+        await low[0].started()
+        low.append(Stream(client, body(SLOW, 30, 5)))
+        await low[1].started()  # they hold 31 + 31: 38 free
+        high = asyncio.create_task(
+            client.post("/v1/completions", json=body("m@output_tokens=1", 60, 0))
+        )
+        await until(engine, lambda s: s.waiting == 1)
+        behind = asyncio.create_task(
+            client.post("/v1/completions", json=body("m@output_tokens=1", 5, 5))
+        )
+        await until(engine, lambda s: s.waiting == 2)
+        assert (engine.stats.running, engine.stats.preemptions) == (2, 0)
+        await low[1].cancel()
+        async with asyncio.timeout(WATCHDOG_S):
+            assert (await high).status_code == 200
+            assert (await behind).status_code == 200
+        await low[0].cancel()
+        await until(engine, lambda s: s.running == 0)
+    assert (engine.stats.completed, engine.stats.cancelled, engine.stats.preemptions) == (2, 2, 0)
 
 
 async def test_a_prompt_larger_than_the_cache_runs_alone_and_the_gauge_stays_at_one() -> None:

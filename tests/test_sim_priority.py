@@ -134,6 +134,7 @@ async def test_priority_is_refused_under_fcfs_and_a_bad_one_everywhere(
 
 PREEMPTIVE: dict[str, Any] = {
     "scheduling_policy": "priority",
+    "priority_preemption": "max_num_seqs",
     "max_batch": 1,
     "prefill_base_ms": 100,
     "tokens_per_s": 100,  # 10 ms a step
@@ -178,6 +179,35 @@ async def test_an_interactive_request_preempts_a_running_bulk_stream() -> None:
     assert (load.running, load.waiting, load.kv_usage) == (0.0, 0.0, 0.0)
     assert (engine.stats.completed, engine.stats.preemptions) == (2, 1)
     assert metric(after, f"vllm:generation_tokens_total{{{LABELS}}}") == 40
+
+
+async def test_as_vllm_v1_a_better_request_waits_for_a_slot_instead_of_preempting() -> None:
+    """vLLM V1 (`priority_preemption: kv_cache`, the default): with every slot taken by bulk, an
+    interactive request preempts nothing; it waits at the head of the queue, ahead of bulk that
+    came earlier, and gets the slot when the running sequence ends."""
+    profile = {**PREEMPTIVE, "priority_preemption": "kv_cache"}
+    async with sim(**profile) as (engine, client):
+        running = Stream(client, chat(priority=5), mark=2)
+        async with asyncio.timeout(WATCHDOG_S):
+            await running.marked.wait()
+        queued = Stream(client, chat(priority=5))
+        await until(engine, lambda s: s.waiting == 1)
+        interactive = Stream(client, chat())
+        await until(engine, lambda s: s.waiting == 2)
+        during = (await client.get("/metrics")).text
+        assert (engine.stats.running, engine.stats.preemptions) == (1, 0)
+        await interactive.done()
+        await running.done()
+        await queued.done()
+        after = (await client.get("/metrics")).text
+    assert metric(during, f"vllm:num_requests_running{{{LABELS}}}") == 1
+    assert metric(during, f"vllm:num_requests_waiting{{{LABELS}}}") == 2
+    # Its first token came only once the running sequence had ended, and before the earlier bulk.
+    assert interactive.times[0] > running.times[-1]
+    assert interactive.times[-1] < queued.times[0]
+    assert len(running.times) == 20  # never paused for a recompute
+    assert metric(after, f"vllm:num_preemptions_total{{{LABELS}}}") == 0
+    assert (engine.stats.completed, engine.stats.preemptions) == (3, 0)
 
 
 async def test_an_equal_priority_waits_and_the_latest_arrival_is_preempted() -> None:

@@ -33,6 +33,12 @@ steers.
 
 On a FIFO vLLM server the gate also takes a slot back for an interactive arrival that would
 queue there: it preempts the youngest bulk work in flight (see gateway/batching/preempt.py).
+
+A priority server (`bulk_priority`) is trusted to preempt bulk for interactive requests only
+while it is seen to: vLLM V1 does not at a full batch. On a server caught letting interactive
+requests wait behind running bulk the gate keeps `reserve_slots` free and preempts its own bulk,
+as on a FIFO server (its queue, served by priority, still takes bulk), until the server is seen
+preempting (gateway/batching/kind.py).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gateway.batching.kind import ServerKind
 from gateway.batching.preempt import Hold, victims
 from gateway.config import BulkSpec
 from gateway.errors import OverloadedError
@@ -61,9 +68,13 @@ class Load(Protocol):
     """What the gate reads of one scrape of a server."""
 
     @property
+    def running(self) -> float: ...
+    @property
     def waiting(self) -> float: ...
     @property
     def kv_usage(self) -> float | None: ...
+    @property
+    def preemptions(self) -> float | None: ...
 
 
 class Server(Protocol):
@@ -114,11 +125,13 @@ class _Floor:
 
 @dataclass(slots=True)
 class _Lane:
+    deployment: str
     limit: float
     upstream: Upstream | None
     units: float = 0.0  # bulk slot-equivalents in flight
     waiters: deque[tuple[asyncio.Future[None], float]] = field(default_factory=deque)
     interactive: int = 0  # interactive requests in flight
+    awaiting: deque[float] = field(default_factory=deque)  # when those without a first token began
     shown: bool = False  # bulk or a first token was seen: the lane is in the metrics
     full: bool = False  # the latest scrape showed the server full
     seen: Load | None = None  # the scrape `full` was read from
@@ -128,6 +141,7 @@ class _Lane:
     last_cut: float = -1e9
     last_grow: float = -1e9
     last_interactive: float = -1e9
+    kind: ServerKind = field(default_factory=ServerKind)  # on a priority server: does it preempt?
 
 
 class _Steering:
@@ -152,7 +166,8 @@ class _Steering:
     def _lane(self, deployment: str) -> _Lane:
         lane = self._lanes.get(deployment)
         if lane is None:
-            lane = _Lane(float(self._spec.initial_concurrency), self._servers.get(deployment))
+            spec, upstream = self._spec, self._servers.get(deployment)
+            lane = _Lane(deployment, float(spec.initial_concurrency), upstream)
             self._lanes[deployment] = lane
         return lane
 
@@ -168,6 +183,15 @@ class _Steering:
 
     def waiting(self) -> dict[str, int]:
         return {d: len(lane.waiters) for d, lane in self._lanes.items() if lane.shown}
+
+    def server_preempts(self) -> dict[str, bool]:
+        """Per deployment on a priority server (`bulk_priority`): whether the gate believes the
+        server preempts bulk for interactive requests at a full batch (for metrics)."""
+        return {
+            d: lane.kind.preempts
+            for d, lane in self._lanes.items()
+            if lane.shown and lane.upstream is not None and lane.upstream.prioritized
+        }
 
     def batch_weight(self, endpoint: str, inputs: int, n: int = 1) -> float:
         """The slot-equivalents of a micro-batch of `inputs` (embeddings or prompts)."""
@@ -186,6 +210,8 @@ class _Steering:
         lane.shown = True
         now = self._clock()
         lane.last_interactive = now
+        if lane.awaiting:
+            lane.awaiting.popleft()
         self._steer(lane, now)
         spec = self._spec
         slow = fast = False
@@ -203,9 +229,49 @@ class _Steering:
                 under = ttft_s < unloaded * spec.grow_under_unloaded
                 fast = under and (fast or not budget_s)
         if slow:
+            self._strike(lane)
             self._cut(lane, now)
         elif fast:
             self._grow(lane, now)
+
+    # -- what kind of server it is --
+
+    def _protects(self, lane: _Lane) -> bool:
+        """The server itself keeps interactive requests ahead of bulk: it serves bulk at a lower
+        priority and is believed to preempt it for them."""
+        up = lane.upstream
+        return up is not None and up.prioritized and lane.kind.preempts
+
+    def _strike(self, lane: _Lane) -> None:
+        """An interactive request late for its first token (or seen waiting at the server): on
+        a priority server that had every slot running, bulk among them, and KV room to spare, it
+        did not preempt for it."""
+        up = lane.upstream
+        if up is None or not up.prioritized:
+            return
+        load, slots = up.state.current(), up.state.slots
+        if load is None or not slots:
+            return
+        if lane.kind.late(
+            bulk_in_flight=lane.units > 0,
+            slots_full=load.running >= slots,
+            kv_free=self._kv_free(load),
+        ):
+            self._distrusted(lane)
+
+    def _waited(self, lane: _Lane, now: float) -> bool:
+        """An interactive request in flight has waited for its first token longer than an
+        unloaded server takes (when that is known): the queue the last scrape shows holds it."""
+        if not lane.awaiting:
+            return False
+        floors = [f for f in (f.value(now) for f in lane.floors.values()) if f is not None]
+        return not floors or now - lane.awaiting[0] > min(floors) * self._spec.backoff_over_unloaded
+
+    def _distrusted(self, lane: _Lane) -> None:
+        """The gate stopped trusting the server to preempt (BulkGate frees a slot at once)."""
+
+    def _kv_free(self, load: Load) -> bool:
+        return load.kv_usage is None or load.kv_usage < self._spec.kv_full
 
     # -- the policy --
 
@@ -225,7 +291,7 @@ class _Steering:
         if lane.full and present and not up.prioritized:
             return 0.0  # a FIFO server with a queue: bulk must not add to it
         cap = self._capacity(lane)
-        if not up.prioritized:  # interactive arrivals queue behind whatever bulk holds
+        if not self._protects(lane):  # interactive arrivals wait for whatever bulk holds
             cap = max(cap - self._spec.reserve_slots, 1.0)
         return max(0.0, min(lane.limit, cap - lane.interactive))
 
@@ -249,11 +315,17 @@ class _Steering:
         if load is lane.seen:
             return
         lane.seen = load
-        kv_full = load.kv_usage is not None and load.kv_usage >= self._spec.kv_full
+        kv_full = not self._kv_free(load)
         lane.full = load.waiting > 0 or kv_full
+        if up.prioritized:
+            rose = lane.kind.scraped(
+                load.preemptions, interactive=lane.interactive > 0, kv_free=not kv_full
+            )
+            if not rose and load.waiting > 0 and self._waited(lane, now):
+                self._strike(lane)  # one is waiting at the server now, and nothing preempted
         present = lane.interactive > 0 or now - lane.last_interactive < QUIET_S
         if present and (kv_full or (lane.full and not up.prioritized)):
-            self._cut(lane, now)
+            self._cut(lane, now)  # a priority server serves its queue's interactive ones first
 
     def _cut(self, lane: _Lane, now: float) -> None:
         if now - lane.last_cut >= self._spec.cooldown_s:
@@ -313,7 +385,8 @@ class _Steering:
 
 class BulkGate(_Steering):
     """Admission of bulk work within the steered limits, the interactive requests it leaves
-    room for, and preemption of bulk work for them on FIFO servers."""
+    room for, and preemption of bulk work for them on FIFO servers (and on priority servers
+    that do not preempt it themselves)."""
 
     # -- interactive traffic --
 
@@ -323,6 +396,7 @@ class BulkGate(_Steering):
         ahead = lane.interactive
         lane.interactive += 1
         lane.last_interactive = self._clock()
+        lane.awaiting.append(lane.last_interactive)
         if lane.holds:
             self._make_room(deployment, lane, ahead)
 
@@ -330,8 +404,15 @@ class BulkGate(_Steering):
         lane = self._lane(deployment)
         lane.interactive -= 1
         lane.last_interactive = self._clock()
+        while len(lane.awaiting) > lane.interactive:  # ended before a first token
+            lane.awaiting.popleft()
         if lane.waiters:
             self._wake(lane)
+
+    def _distrusted(self, lane: _Lane) -> None:
+        """Interactive requests may be waiting behind bulk at the server right now: free the
+        slots they lack by the gate's count."""
+        self._make_room(lane.deployment, lane, lane.interactive, arriving=False)
 
     # -- bulk work --
 
@@ -378,7 +459,8 @@ class BulkGate(_Steering):
             self._steer(lane, self._clock())
             self._wake(lane)
 
-    # -- preemption (FIFO vLLM servers; see gateway/batching/preempt.py) --
+    # -- preemption (FIFO vLLM servers, and priority ones that do not preempt at a full batch;
+    # see gateway/batching/preempt.py) --
 
     def hold(self, deployment: str, weight: float, preemptions: int) -> Hold:
         """Bulk work holding `weight` slot-equivalents starts: the gate may preempt it (set its
@@ -406,17 +488,20 @@ class BulkGate(_Steering):
         assert hold.waiter is not None
         await self._turn(hold.deployment, self._lane(hold.deployment), hold.waiter, hold.weight)
 
-    def _make_room(self, deployment: str, lane: _Lane, ahead: int) -> None:
+    def _make_room(
+        self, deployment: str, lane: _Lane, ahead: int, *, arriving: bool = True
+    ) -> None:
         """An interactive request arrives with `ahead` others in flight: on a FIFO server with
         no slot left for it (by the gate's count, or a queue in the last scrape), preempt the
-        youngest bulk work until one is."""
+        youngest bulk work until one is. Not `arriving`: free what the `ahead` lack, by the
+        gate's count alone (a queue in the last scrape may be theirs, already seated)."""
         up, spec = lane.upstream, self._spec
-        if up is None or up.prioritized or not spec.preempt:
+        if up is None or self._protects(lane) or not spec.preempt:
             return
         self._steer(lane, self._clock())
         slots = up.state.slots
-        need = ahead + lane.units - slots + 1 if slots else 0.0
-        if lane.full:
+        need = ahead + lane.units - slots + arriving if slots else 0.0
+        if lane.full and arriving:
             need = max(need, 1.0)
         freed = 0.0
         for hold in victims(lane.holds, need, spec.max_preemptions):

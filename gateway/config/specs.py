@@ -181,7 +181,16 @@ class ProviderSpec(_Spec):
     """`anthropic-version` header (anthropic only)."""
     bulk_priority: int | None = None
     """vllm only: the server runs `--scheduling-policy priority`; bulk requests are sent with
-    this `priority` (vLLM serves lower values first; interactive ones keep the default 0)."""
+    this `priority` (vLLM serves lower values first; interactive ones keep the default 0). vLLM
+    then serves a waiting interactive request before waiting bulk, but (V1, as released) it
+    preempts a running sequence by priority only when KV-cache blocks run out: when every slot
+    (`--max-num-seqs`) is taken by bulk, an interactive request waits until a bulk sequence ends
+    (vllm-project/vllm issue #40004; pull requests #45558, #45561 and #54530 would preempt there
+    too). The bulk gate relies on the server to preempt only while it sees it do so: after
+    interactive first tokens came late behind bulk with every slot running and KV room free, it
+    keeps slots free of bulk and preempts bulk itself, as without `bulk_priority`, until the
+    server's `vllm:num_preemptions_total` rises for interactive requests
+    (`tailguard_bulk_server_preempts`)."""
     metrics_url: str | None = None
     """vllm only: where its Prometheus metrics are read (default: `/metrics` beside `/v1`)."""
     metrics_interval_s: Annotated[float, Field(gt=0, le=60)] = 1.0
@@ -437,9 +446,10 @@ class BulkSpec(_Spec):
     """vLLM with known load: the limit grows only while first tokens stay under this multiple
     of the unloaded TTFT (and under `grow_below` of their budget)."""
     reserve_slots: Annotated[int, Field(ge=0, le=1024)] = 1
-    """vLLM without `bulk_priority` (a first-come-first-served queue): batch slots kept free of
-    bulk for interactive arrivals, beyond those interactive requests in flight hold. Never the
-    server's last slot."""
+    """vLLM without `bulk_priority` (a first-come-first-served queue), or with it on a server
+    seen not to preempt bulk for interactive requests: batch slots kept free of bulk for
+    interactive arrivals, beyond those interactive requests in flight hold. Never the server's
+    last slot."""
     kv_full: Annotated[float, Field(gt=0, le=1)] = 0.95
     """vLLM: KV-cache usage at or above this counts as a full server, like a non-empty queue."""
     embedding_inputs_per_slot: Annotated[int, Field(ge=1)] = 1
@@ -447,8 +457,9 @@ class BulkSpec(_Spec):
     (at least 1). vLLM schedules each input of a list as a sequence of its own: 1. A server that
     embeds a whole call on one slot (the simulator) weighs a batch as one: its batch size."""
     preempt: bool = True
-    """vLLM without `bulk_priority`: an interactive request that would queue at the server
-    (no slot left by the gateway's count, or a queue in the last scrape) preempts the youngest
+    """vLLM without `bulk_priority`, or with it on a server seen not to preempt bulk for
+    interactive requests: an interactive request that would queue at the server (no slot left
+    by the gateway's count, or a queue in the last scrape) preempts the youngest
     bulk work in flight there that has sent nothing yet; it runs again first when bulk is
     admitted again."""
     max_preemptions: Annotated[int, Field(ge=0, le=100)] = 3

@@ -63,7 +63,9 @@ _SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 _SPEC_EMITTED = "vllm:spec_decode_num_emitted_tokens_total"
 _SPEC_RATE = "vllm:spec_decode_draft_acceptance_rate"
 _SPEC_EFFICIENCY = "vllm:spec_decode_efficiency"
+_PREEMPTIONS = "vllm:num_preemptions_total"
 _COUNTERS = (
+    _PREEMPTIONS,
     *_PREFIX_QUERIES,
     *_PREFIX_HITS,
     _SPEC_DRAFTS,
@@ -123,6 +125,7 @@ class ServerLoad:
     prefix_hits: float | None = None  # of which were found there
     prefix_hit_gauge: float | None = None  # V0's hit-rate gauge, when the counters are missing
     spec: SpecCounters | None = None  # None: the server does not speculate (or says nothing)
+    preemptions: float | None = None  # sequences the server preempted, cumulative
 
 
 def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
@@ -216,6 +219,7 @@ def parse_metrics(text: str, model: str | None = None) -> ServerLoad:
         prefix_hits=next((counters[n] for n in _PREFIX_HITS if n in counters), None),
         prefix_hit_gauge=_mean(rates.get(_PREFIX_RATE)),
         spec=_spec_counters(counters, rates, positions),
+        preemptions=counters.get(_PREEMPTIONS),
     )
 
 

@@ -113,7 +113,7 @@ class Deployments:
         self._default = default
         self._stats = stats
         self._page = page
-        self._pools: dict[tuple[str, int, str, int | None], Pool] = {}
+        self._pools: dict[tuple[str, int, str, int | None, bool], Pool] = {}
         self._caches: dict[tuple[str, int], PrefixCache] = {}
         self.resolve = functools.lru_cache(maxsize=_OVERRIDE_CACHE_SIZE)(self._resolve_uncached)
 
@@ -129,13 +129,19 @@ class Deployments:
             except ValueError as exc:
                 raise BadRequestError(f"bad override in model {model!r}: {exc}", "model") from None
         policy, kv_limit = profile.scheduling_policy, profile.kv_cache_tokens
-        pool_key = (name, profile.max_batch, policy, kv_limit)
+        slots_preempt = policy == "priority" and profile.priority_preemption == "max_num_seqs"
+        pool_key = (name, profile.max_batch, policy, kv_limit, slots_preempt)
         pool = self._pools.get(pool_key)
         metrics = self._page.model(name)
         if pool is None:
             if policy == "priority" or kv_limit is not None:  # fcfs: every priority is 0
                 pool = PriorityPool(
-                    profile.max_batch, self._stats, metrics, profile.kv_tokens_per_seq, kv_limit
+                    profile.max_batch,
+                    self._stats,
+                    metrics,
+                    profile.kv_tokens_per_seq,
+                    kv_limit,
+                    preempt_for_slots=slots_preempt,
                 )
             else:
                 pool = Pool(profile.max_batch, self._stats, metrics, profile.kv_tokens_per_seq)

@@ -60,6 +60,9 @@ MetricsNames = Literal["current", "legacy", "both"]
 """The names `GET /metrics` serves: vLLM's current ones, the deprecated ones, or both."""
 SchedulingPolicy = Literal["fcfs", "priority"]
 """vLLM's `--scheduling-policy`: first come first served, or by the request's `priority`."""
+PriorityPreemption = Literal["kv_cache", "max_num_seqs"]
+"""When a priority server preempts a running sequence for a better one: only when KV-cache blocks
+run out (vLLM V1 today), or also when every batch slot is taken (vLLM's open proposals)."""
 MetricsFault = Literal["none", "error", "garbage"]
 """How `GET /metrics` fails: `error` answers 500, `garbage` 200 with non-Prometheus text."""
 
@@ -111,11 +114,23 @@ class SimProfile(BaseModel):
         "fcfs",
         description="vLLM's `--scheduling-policy`: `fcfs` queues first come, first served and "
         "refuses a non-zero request `priority` with a 400, as vLLM does; `priority` queues by "
-        "(priority, arrival), a lower value first, and a request that finds every slot taken "
-        "preempts the running sequence of the lowest priority (the latest arrival among equals) "
-        "if that is strictly lower than its own. The preempted sequence goes back to its place "
-        "in the queue and, scheduled again, prefills its prompt and the tokens it generated "
-        "(vLLM's recompute) before going on; counted in `vllm:num_preemptions_total`.",
+        "(priority, arrival), a lower value first. When a running sequence is preempted for a "
+        "better one: `priority_preemption`. A preempted sequence goes back to its place in the "
+        "queue and, scheduled again, prefills its prompt and the tokens it generated (vLLM's "
+        "recompute) before going on; counted in `vllm:num_preemptions_total`.",
+    )
+    priority_preemption: PriorityPreemption = Field(
+        "kv_cache",
+        description="Under `scheduling_policy: priority`, when a better request preempts a "
+        "running one. `kv_cache` (vLLM V1 as released): only when KV-cache blocks run out "
+        "(`kv_cache_tokens`), by a running sequence that grows into a full cache; a waiting "
+        "request never preempts, so when every slot (`max_batch`, vLLM's `max_num_seqs`) is "
+        "taken a better request waits at the head of the queue until a running one ends "
+        "(vllm-project/vllm issue #40004). `max_num_seqs` (as vLLM's open pull requests #45558, "
+        "#45561 and #54530 propose): a request that finds every slot taken also preempts the "
+        "running sequence of the lowest priority (the latest arrival among equals) if that is "
+        "strictly lower than its own, and under `kv_cache_tokens` running sequences of strictly "
+        "lower priority when that makes room for it in the cache.",
     )
     output_tokens: TokenRange = Field(
         16,
@@ -221,8 +236,9 @@ class SimProfile(BaseModel):
         "does not fit holds back those behind it, as in vLLM); each generated token takes one "
         "more, and a token that finds the cache full preempts the running sequence of the "
         "lowest priority, the latest arrival among equals (under `fcfs`: the latest arrival), "
-        "maybe its own, by recompute; under `priority` an arrival that does not fit also "
-        "preempts running sequences of strictly lower priority when that makes room. Counted in "
+        "maybe its own, by recompute; with `priority_preemption: max_num_seqs` an arrival that "
+        "does not fit also preempts running sequences of strictly lower priority when that "
+        "makes room. Counted in "
         "`vllm:num_preemptions_total`. None (`none` in an override): only the slots limit.",
     )
     metrics_names: MetricsNames = Field(

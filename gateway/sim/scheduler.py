@@ -1,8 +1,9 @@
 """The simulator's batch slots: one pool per simulated deployment, and the engine's counters.
 
 A sequence holds one slot from its prefill to its last token; when every slot is taken, requests
-queue: first come, first served (`Pool`), or by (priority, arrival) with preemption
-(`PriorityPool`, vLLM's `--scheduling-policy priority`). A released slot passes straight to the
+queue: first come, first served (`Pool`), or by (priority, arrival) (`PriorityPool`, vLLM's
+`--scheduling-policy priority`), preempting as vLLM V1 does (only for KV-cache room) or also for
+a slot (`preempt_for_slots`). A released slot passes straight to the
 next waiter, so a slot is never free while someone waits for one. A `PriorityPool` may also limit
 the tokens its sequences hold in the KV cache (`kv_cache_tokens`): then a waiter needs room there
 as well, and a sequence that grows into a full cache preempts one, as vLLM does.
@@ -207,10 +208,13 @@ class Pool:
 
 
 class PriorityPool(Pool):
-    """Batch slots handed out by (priority, arrival), a lower priority value first, with
-    preemption, as vLLM's `--scheduling-policy priority` does.
+    """Batch slots handed out by (priority, arrival), a lower priority value first, as vLLM's
+    `--scheduling-policy priority` does.
 
-    A ticket that finds every slot taken preempts the seated ticket of the lowest priority (the
+    vLLM V1 preempts only while it schedules its running sequences and one lacks KV-cache blocks;
+    a waiting request never preempts, whatever its priority (vllm-project/vllm issue #40004).
+    With `preempt_for_slots` (what vLLM's open pull requests propose) a waiting one may:
+    a ticket that finds every slot taken preempts the seated ticket of the lowest priority (the
     latest arrival among equals) if its priority is strictly lower: that one loses its slot and
     its KV at once, and waits again at its original place. Only tickets use it
     (`gateway.sim.decode`).
@@ -227,7 +231,7 @@ class PriorityPool(Pool):
 
     preemptive = True
 
-    __slots__ = ("_heap", "_order", "_seated", "kv_limit")
+    __slots__ = ("_heap", "_order", "_seated", "kv_limit", "preempt_for_slots")
 
     def __init__(
         self,
@@ -236,9 +240,12 @@ class PriorityPool(Pool):
         metrics: ModelMetrics,
         kv_tokens_per_seq: int,
         kv_limit: int | None = None,
+        *,
+        preempt_for_slots: bool = False,
     ) -> None:
         super().__init__(capacity, stats, metrics, kv_tokens_per_seq)
         self.kv_limit = kv_limit
+        self.preempt_for_slots = preempt_for_slots
         if kv_limit is not None:
             self.kv_capacity = kv_limit
         self._heap: list[tuple[int, int, Ticket]] = []
@@ -324,7 +331,10 @@ class PriorityPool(Pool):
 
     def _room(self, ticket: Ticket) -> list[Ticket] | None:
         """The seated tickets of strictly lower priority to preempt, the lowest first, for
-        `ticket` to have a slot and its KV; None if even all of them would not do."""
+        `ticket` to have a slot and its KV; None if even all of them would not do, or if
+        waiting requests never preempt (vLLM V1)."""
+        if not self.preempt_for_slots:
+            return None
         lower = [t for t in self._seated if t.priority > ticket.priority]
         if not lower:
             return None

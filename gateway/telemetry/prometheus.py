@@ -28,6 +28,7 @@ RESPONSES_STORE_ERRORS = "tailguard_responses_store_errors"
 INFLIGHT = "tailguard_upstream_inflight"
 EVENT_LOOP_TASKS = "tailguard_event_loop_tasks"
 BULK_PREEMPTIONS = "tailguard_bulk_preemptions"  # counter: deployment
+BULK_SERVER_PREEMPTS = "tailguard_bulk_server_preempts"  # gauge: deployment
 AFFINITY_DECISIONS = "tailguard_affinity_decisions"  # counter: model, outcome
 VLLM_UP = "tailguard_vllm_metrics_up"
 VLLM_RUNNING = "tailguard_vllm_requests_running"
@@ -113,10 +114,16 @@ class AffinityCollector(Collector):
 
 
 class BulkPreemptionsCollector(Collector):
-    """`tailguard_bulk_preemptions_total{deployment}`, from the bulk gate's counts."""
+    """`tailguard_bulk_preemptions_total{deployment}`, from the bulk gate's counts, and
+    `tailguard_bulk_server_preempts{deployment}`, what it believes of each priority server."""
 
-    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(
+        self,
+        counts: Callable[[], Mapping[str, int]],
+        beliefs: Callable[[], Mapping[str, bool]] = dict,
+    ) -> None:
         self._counts = counts
+        self._beliefs = beliefs
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
@@ -128,6 +135,18 @@ class BulkPreemptionsCollector(Collector):
         for deployment, count in sorted(self._counts().items()):
             family.add_metric([deployment], float(count))
         yield family
+        belief = GaugeMetricFamily(
+            BULK_SERVER_PREEMPTS,
+            "On a vLLM provider with bulk_priority: 1 while the bulk gate believes the server "
+            "preempts bulk for interactive requests when every batch slot is taken (it relies "
+            "on the server), 0 once it saw interactive first tokens wait behind bulk there (it "
+            "then holds bulk back and preempts bulk itself, as on a first-come-first-served "
+            "server), until the server is seen preempting.",
+            labels=["deployment"],
+        )
+        for deployment, preempts in sorted(self._beliefs().items()):
+            belief.add_metric([deployment], 1.0 if preempts else 0.0)
+        yield belief
 
 
 class StoreView(Protocol):
