@@ -591,7 +591,8 @@ async def test_a_priority_server_that_does_not_preempt_at_a_full_batch_gets_slot
             more = [bulk_of(client, gw.url, 40) for _ in range(2)]
             await gate_shows(client, gw.url, limit=1, waiting=2 + requeued)
             assert (sim.stats.running, sim.stats.waiting) == (1, 0)
-            interactive = asyncio.create_task(ask(client, gw.url, max_tokens=2))
+            # Long enough (3 s of tokens) that a busy machine's polls cannot miss it running.
+            interactive = asyncio.create_task(ask(client, gw.url, max_tokens=300))
             await gate_shows(client, gw.url, limit=0, waiting=2 + requeued)  # none while it runs
             assert served_well(await interactive)
             assert sim.stats.waiting == 0 and sim.stats.preemptions == 0
