@@ -7,13 +7,32 @@ built by `gateway.providers.open_providers` and imported by nothing outside `pro
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.scrubbing import Scrubber
 
-__all__ = ["Provider", "StreamLimits", "UpstreamStream"]
+__all__ = ["Counter", "Provider", "StreamLimits", "TokenQuery", "UpstreamStream"]
+
+Counter = Callable[[], Awaitable[int]]
+"""Asks one deployment for a count of input tokens. Raises ProviderError (ProviderRejectedError
+when the upstream refused the request itself) or TranslationError."""
+
+
+class TokenQuery(Protocol):
+    """What a client asked to count, in the shapes the counters take (made on first use; each
+    raises TranslationError naming what its wire cannot express)."""
+
+    wire: Wire  # the client's: a Messages body (anthropic) or a Responses body (openai)
+    size: int  # bytes as sent: a large body is translated off the event loop
+
+    def messages(self) -> dict[str, Any]: ...
+
+    def responses(self) -> dict[str, Any]: ...
+
+    def chat(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,4 +80,12 @@ class Provider(Protocol):
 
         Raises a ProviderError subclass for every failure; nothing needs closing then.
         """
+        ...
+
+    def counter(
+        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
+    ) -> Counter | None:
+        """The upstream's own token counter for `query` on `deployment` (serving
+        `upstream_model`), or None when it has none. `headers` go with the request
+        (`x-request-id`, `traceparent`; `anthropic-beta` to Anthropic only)."""
         ...

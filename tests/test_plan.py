@@ -13,14 +13,12 @@ from gateway.config import (
     ModelSpec,
     OnTTFTMiss,
     PriorSpec,
-    ProviderSpec,
     build_settings,
 )
 from gateway.errors import CoolingDownError, InvalidRequestError
 from gateway.latency import BandStats, MetricStats, Snapshot, TargetStats
 from gateway.latency.prompt_size import band_of
-from gateway.models import Call, Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import stream_limits
+from gateway.models import Call, Endpoint
 from gateway.routing.plan import (
     Budget,
     Candidate,
@@ -39,33 +37,21 @@ from gateway.routing.plan import (
     weighted_order,
     with_exploration,
 )
-from gateway.scrubbing import Scrubber
-from gateway.upstream import StreamLimits, UpstreamStream
+from tests.fakes.seam import FakeProvider
 
 MIN_SAMPLES = 20
 
 
-DEFAULT_LIMITS = stream_limits(ProviderSpec(type="simulated"))
-
-
 @dataclass
-class StubProvider:
+class StubProvider(FakeProvider):
     """Just enough of a `Provider` for the planner, which never opens a call."""
 
     name: str = "p"
-    wire: Wire = "openai"
     system: str = "stub"
-    address: str | None = None
-    scrub = Scrubber.GENERIC
-    bulk_priority: int | None = None
-    limits: StreamLimits = DEFAULT_LIMITS
     endpoints: frozenset[Endpoint] = field(default_factory=lambda: frozenset({"chat"}))
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in self.endpoints
-
-    async def open(self, deployment: str, request: UpstreamRequest) -> UpstreamStream:
-        raise AssertionError("the planner never opens a call")
 
 
 def metric(

@@ -17,14 +17,12 @@ from gateway.admission.validate import parse_call
 from gateway.config import CooldownSpec, DeploymentSpec, OnTTFTMiss, PriorSpec, RetryBudgetSpec
 from gateway.errors import AllCandidatesFailedError, ProviderError
 from gateway.latency import MemoryLatencyStore, MetricStats, TargetStats
-from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
+from gateway.models import Chunk, UpstreamRequest
 from gateway.routing import Budget, Candidate, Guards, Ledger, Opened, Plan, open_first, plan
 from gateway.routing.attempts import background_done
-from gateway.scrubbing import Scrubber
-from gateway.upstream import StreamLimits, UpstreamStream
+from gateway.upstream import UpstreamStream
+from tests.fakes.seam import FakeProvider
 from tests.timing import scaled
-
-LIMITS = StreamLimits(idle_s=60.0, max_precommit_events=1000, max_precommit_bytes=1 << 20)
 
 
 class _Stream:
@@ -48,22 +46,13 @@ class _Stream:
 
 
 @dataclass
-class Upstream:
+class Upstream(FakeProvider):
     """A deployment whose first token takes `ttft_s`, or that fails every request."""
 
     name: str
     ttft_s: float = 0.0
     fails: bool = False
     opened: int = 0
-    system: str = "openai"
-    address: str | None = None
-    scrub = Scrubber.GENERIC
-    bulk_priority: int | None = None
-    limits: StreamLimits = LIMITS
-    wire: Wire = "openai"
-
-    def supports(self, endpoint: Endpoint) -> bool:
-        return True
 
     async def open(self, deployment: str, request: UpstreamRequest) -> UpstreamStream:
         self.opened += 1

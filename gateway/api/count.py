@@ -49,7 +49,7 @@ from gateway.errors import (
     quote,
 )
 from gateway.models import Call, Wire
-from gateway.providers.count import CountQuery, counter_of, estimate_tokens
+from gateway.providers.count import CountQuery, estimate_tokens
 from gateway.providers.request import is_agent_header
 from gateway.providers.translate import TranslationError
 from gateway.runtime import Runtime, Services
@@ -149,13 +149,8 @@ async def count_upstream(
     cooling = services.guards.cooldowns.cooling()
     deployments = sorted(spec.deployments, key=lambda d: d.id in cooling)  # demote, never drop
     for deployment in deployments:
-        counter = counter_of(
-            services.providers[deployment.provider],
-            services.settings.providers[deployment.provider],
-            deployment=deployment.id,
-            upstream_model=deployment.model,
-            query=query,
-            headers=headers,
+        counter = services.providers[deployment.provider].counter(
+            deployment.id, deployment.model, query, headers
         )
         if counter is None:
             continue

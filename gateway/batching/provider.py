@@ -31,7 +31,7 @@ from gateway.config import BatchingSpec
 from gateway.errors import OverloadedError, ProviderError, ProviderRejectedError, inband_error
 from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
 from gateway.numbers import count as token_count
-from gateway.upstream import Provider, UpstreamStream
+from gateway.upstream import Counter, Provider, TokenQuery, UpstreamStream
 
 BATCHED_ENDPOINTS: tuple[Endpoint, ...] = ("embeddings", "completions")
 _PARTS = {"embeddings": "input", "completions": "prompt"}
@@ -94,6 +94,11 @@ class BatchingProvider:
 
     def supports(self, endpoint: Endpoint) -> bool:
         return self.inner.supports(endpoint)
+
+    def counter(
+        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
+    ) -> Counter | None:
+        return self.inner.counter(deployment, upstream_model, query, headers)
 
     @property
     def waiting(self) -> int:

@@ -53,6 +53,7 @@ from gateway.providers.decode import (
 from gateway.providers.http import STREAM_PIECE_BYTES, translate_client_error
 from gateway.providers.translate import TranslationError
 from gateway.scrubbing import Scrubber
+from gateway.upstream import Counter, TokenQuery
 
 EVENT_STREAM: Final = "application/vnd.amazon.eventstream"
 # Error types whose meaning the status does not carry.
@@ -99,6 +100,13 @@ class BedrockProvider:
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint == "messages"
+
+    def counter(
+        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
+    ) -> Counter | None:
+        """None: Bedrock's CountTokens is not called; the model's other deployments, or the
+        estimate, count."""
+        return None
 
     async def open(self, deployment: str, request: UpstreamRequest) -> BedrockStream:
         body, model = self._converse_body(deployment, request)

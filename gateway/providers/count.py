@@ -7,8 +7,9 @@ Each upstream protocol has its own counter, asked in the shape it takes:
 - vLLM: `POST {base without /v1}/tokenize` with the chat form (`messages`, `tools`) → `count`;
 - simulated: the engine's own tokenizer (`SimEngine.count_tokens`), the one its usage reports.
 
-Any other upstream (an OpenAI-compatible chat API) has no counter: `counter_of` says so with
-None, and the caller falls back on `estimate_tokens`. A counter's failure is a `ProviderError`,
+Each adapter answers for itself (`Provider.counter`, built from the helpers here); one without a
+counter (an OpenAI-compatible chat API, Azure, Bedrock, Gemini, Vertex) answers None, and the
+caller falls back on `estimate_tokens`. A counter's failure is a `ProviderError`,
 translated here from the transport's exceptions and the upstream's status (through the one
 table, `gateway.errors.upstream_error`); what one wire cannot express raises `TranslationError`.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
@@ -31,7 +32,6 @@ from gateway.models import Wire
 from gateway.numbers import count
 from gateway.providers.base import MAX_ERROR_BYTES, status_error
 from gateway.providers.http import HTTPProvider, translate_client_error
-from gateway.providers.simulated import SimulatedProvider
 from gateway.providers.translate import (
     TranslationError,
     chat_request_to_anthropic,
@@ -39,7 +39,7 @@ from gateway.providers.translate import (
 )
 from gateway.providers.translate.items import responses_request_to_chat
 from gateway.sim.wire import BadRequestError
-from gateway.upstream import Provider
+from gateway.upstream import Counter, TokenQuery
 
 CHARS_PER_TOKEN: Final = 4
 """The estimate's rule of thumb: about four characters of English text per token."""
@@ -130,42 +130,20 @@ class CountQuery:
 
 # --- the counters --------------------------------------------------------------------------------
 
-Counter = Callable[[], Awaitable[int]]
-"""Asks one deployment for its count. Raises ProviderError (ProviderRejectedError when the
-upstream refused the request itself) or TranslationError."""
 
-
-def counter_of(
-    provider: Provider,
+def http_counter(
+    provider: HTTPProvider,
     spec: ProviderSpec,
     *,
     deployment: str,
     upstream_model: str,
-    query: CountQuery,
+    query: TokenQuery,
     headers: Mapping[str, str],
 ) -> Counter | None:
-    """The counter of one deployment for `query`, or None when its upstream has none.
-
-    `headers` go upstream with the request (`x-request-id`; `anthropic-beta` to Anthropic only).
-    The request is bounded by the provider's connect and read timeouts."""
-    if isinstance(provider, SimulatedProvider):
-        engine = provider.engine
-
-        async def simulated() -> int:
-            try:
-                tokens = await off_loop(query.size, _simulated_count, engine, upstream_model, query)
-            except BadRequestError as exc:  # as the simulator's HTTP server would answer it
-                raise upstream_error(
-                    deployment=deployment,
-                    status=exc.status,
-                    detail=exc.message,
-                    headers={},
-                    param=exc.param,
-                ) from None
-            return _counted(tokens, deployment)
-
-        return simulated
-    if not isinstance(provider, HTTPProvider) or spec.base_url is None:
+    """An HTTP upstream's counter, by the protocol its config names (Anthropic's, a native
+    Responses API's, vLLM's `/tokenize`); None for one without (an OpenAI-compatible chat API,
+    Azure). The request is bounded by the provider's connect and read timeouts."""
+    if spec.base_url is None:
         return None
     size = query.size
     base = spec.base_url.rstrip("/")
@@ -206,7 +184,29 @@ def counter_of(
     return None
 
 
-def _simulated_count(engine: Any, upstream_model: str, query: CountQuery) -> int:
+def simulated_counter(
+    engine: Any, *, deployment: str, upstream_model: str, query: TokenQuery
+) -> Counter:
+    """The in-process simulator's counter: its engine's own tokenizer, the one its usage
+    reports; a request it cannot take fails as its HTTP server would answer it."""
+
+    async def simulated() -> int:
+        try:
+            tokens = await off_loop(query.size, _simulated_count, engine, upstream_model, query)
+        except BadRequestError as exc:
+            raise upstream_error(
+                deployment=deployment,
+                status=exc.status,
+                detail=exc.message,
+                headers={},
+                param=exc.param,
+            ) from None
+        return _counted(tokens, deployment)
+
+    return simulated
+
+
+def _simulated_count(engine: Any, upstream_model: str, query: TokenQuery) -> int:
     return int(engine.count_tokens({"model": upstream_model, **query.chat()}))
 
 

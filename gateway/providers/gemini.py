@@ -35,6 +35,7 @@ from gateway.providers.translate.gemini_answers import GeminiToChatStream, gemin
 from gateway.providers.translate.shapes import TranslationError
 from gateway.scrubbing import Scrubber
 from gateway.sse import SSEFramingError, SSEParser, frame
+from gateway.upstream import Counter, TokenQuery
 
 _CREDENTIAL_REASONS: Final = frozenset({"API_KEY_INVALID", "API_KEY_EXPIRED"})
 
@@ -234,6 +235,13 @@ class GeminiProvider:
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint == "chat"
+
+    def counter(
+        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
+    ) -> Counter | None:
+        """None: Gemini's countTokens is not called; the model's other deployments, or the
+        estimate, count."""
+        return None
 
     async def open(self, deployment: str, request: UpstreamRequest) -> ChunkStream:
         try:

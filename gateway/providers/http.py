@@ -9,6 +9,7 @@ parsing, header models and response objects made twice), so the adapter speaks a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -20,7 +21,7 @@ from gateway.models import Endpoint, UpstreamRequest, Wire
 from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, status_error, stream_limits
 from gateway.providers.decode import anthropic_error, openai_error
 from gateway.scrubbing import Scrubber
-from gateway.upstream import UpstreamStream
+from gateway.upstream import Counter, TokenQuery, UpstreamStream
 
 _OPENAI_PATHS: Final[dict[Endpoint, str]] = {
     "chat": "/chat/completions",
@@ -146,6 +147,7 @@ class HTTPProvider:
         self.bulk_priority = spec.bulk_priority
         self.limits = stream_limits(spec)
         self.session = session
+        self._spec = spec
         base = spec.base_url.rstrip("/")
         paths = _ANTHROPIC_PATHS if self.wire == "anthropic" else _OPENAI_PATHS
         self._urls = {endpoint: base + path for endpoint, path in paths.items()}
@@ -174,6 +176,21 @@ class HTTPProvider:
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in self._urls
+
+    def counter(
+        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
+    ) -> Counter | None:
+        """The counter of its protocol, if it has one (see `gateway.providers.count`)."""
+        from gateway.providers.count import http_counter
+
+        return http_counter(
+            self,
+            self._spec,
+            deployment=deployment,
+            upstream_model=upstream_model,
+            query=query,
+            headers=headers,
+        )
 
     def _target(self, deployment: str, request: UpstreamRequest) -> tuple[str, dict[str, str]]:
         """Where the request goes and with which headers."""

@@ -6,6 +6,7 @@ upstream, so the gateway behaves the same whether the simulator runs in-process 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
 from gateway.config import ProviderSpec
@@ -15,6 +16,7 @@ from gateway.providers.base import ChunkStream, status_error, stream_limits
 from gateway.scrubbing import Scrubber
 from gateway.sim.engine import SimEngine
 from gateway.sim.wire import SimConnectionReset
+from gateway.upstream import Counter, TokenQuery
 
 _PATHS: Final[dict[Endpoint, str]] = {
     "chat": "/v1/chat/completions",
@@ -39,6 +41,16 @@ class SimulatedProvider:
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in _PATHS
+
+    def counter(
+        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
+    ) -> Counter | None:
+        """The engine's own tokenizer, the one its usage reports."""
+        from gateway.providers.count import simulated_counter
+
+        return simulated_counter(
+            self.engine, deployment=deployment, upstream_model=upstream_model, query=query
+        )
 
     async def open(self, deployment: str, request: UpstreamRequest) -> ChunkStream:
         try:

@@ -29,12 +29,12 @@ from gateway.errors import (
     RateLimitedError,
 )
 from gateway.latency import MemoryLatencyStore, MemoryRecorder
-from gateway.models import Chunk, Endpoint, UpstreamRequest, Wire
+from gateway.models import Chunk, UpstreamRequest, Wire
 from gateway.routing import Budget, Candidate, Ledger, Plan, open_first
 from gateway.routing.guards import Guards
-from gateway.scrubbing import Scrubber
-from gateway.upstream import StreamLimits, UpstreamStream
+from gateway.upstream import UpstreamStream
 from tests.conftest import run_gateway
+from tests.fakes.seam import FakeProvider
 from tests.faults.conftest import chat, routed, settled
 from tests.faults.wire import DONE, Exchange, RawUpstream, sse_token
 from tests.timing import scaled
@@ -153,14 +153,8 @@ class ScriptedStream:
             raise RuntimeError("the connection pool broke")
 
 
-class ScriptedProvider:
+class ScriptedProvider(FakeProvider):
     """A provider whose one deployment behaves as `stage` says, at the stage it names."""
-
-    system = "openai"
-    address: str | None = None
-    scrub = Scrubber.GENERIC
-    bulk_priority: int | None = None
-    limits = StreamLimits(idle_s=60.0, max_precommit_events=1000, max_precommit_bytes=1 << 20)
 
     def __init__(self, name: str, stage: Stage, upstreams: Upstreams) -> None:
         self.name = name
@@ -176,9 +170,6 @@ class ScriptedProvider:
     @wire.setter
     def wire(self, value: Wire) -> None:  # the seam declares a plain attribute
         raise AttributeError("a scripted provider's wire is fixed")
-
-    def supports(self, endpoint: Endpoint) -> bool:
-        return True
 
     async def open(self, deployment: str, request: UpstreamRequest) -> UpstreamStream:
         stage = self._stage
