@@ -3,24 +3,18 @@ them, and the conversations each client wire holds with a tool in the middle."""
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
-import anthropic
-import httpx
-import openai
 from anthropic.types import MessageParam
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from tests.conftest import Gateway, gateway_settings, run_gateway
+from tests.clients import Clients, open_clients
 from tests.fakes.gemini_upstream import AFTER_TOOL_TEXT, TOOL_ARGS
 from tests.schemas import validate, validate_stream
 
-CLIENT_KEY = "sk-client-key-never-forwarded-9876543210"
-CLIENT_TIMEOUT_S = 10.0
 CHAT: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "hello there"},
@@ -47,55 +41,12 @@ MESSAGES_TOOL: dict[str, Any] = {
 WEATHER = '{"forecast": "sunny"}'
 
 
-class Clients:
-    """A running gateway and SDK clients for it, each made on first use."""
-
-    def __init__(self, gateway: Gateway, stack: AsyncExitStack) -> None:
-        self.gateway = gateway
-        self._stack = stack
-
-    @functools.cached_property
-    def openai(self) -> openai.AsyncOpenAI:
-        client = openai.AsyncOpenAI(
-            base_url=self.gateway.base_url,
-            api_key=CLIENT_KEY,
-            max_retries=0,
-            timeout=CLIENT_TIMEOUT_S,
-        )
-        self._stack.push_async_callback(client.close)
-        return client
-
-    @functools.cached_property
-    def anthropic(self) -> anthropic.AsyncAnthropic:
-        client = anthropic.AsyncAnthropic(
-            base_url=self.gateway.url,
-            api_key=CLIENT_KEY,
-            max_retries=0,
-            timeout=CLIENT_TIMEOUT_S,
-        )
-        self._stack.push_async_callback(client.close)
-        return client
-
-    @functools.cached_property
-    def http(self) -> httpx.AsyncClient:
-        client = httpx.AsyncClient(base_url=self.gateway.url, timeout=CLIENT_TIMEOUT_S)
-        self._stack.push_async_callback(client.aclose)
-        return client
-
-    async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """Raw bytes of an answer (streamed or not), for the schema checks."""
-        return await self.http.post(path, json=body)
-
-
 @asynccontextmanager
 async def open_gateway(
     providers: dict[str, Any], *models: dict[str, Any], **extra: Any
 ) -> AsyncIterator[Clients]:
-    async with (
-        run_gateway(gateway_settings(providers, list(models), **extra)) as gateway,
-        AsyncExitStack() as stack,
-    ):
-        yield Clients(gateway, stack)
+    async with open_clients(providers, list(models), **extra) as clients:
+        yield clients
 
 
 def model(name: str, *deployments: str, **extra: Any) -> dict[str, Any]:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import anthropic
@@ -30,7 +29,8 @@ from anthropic.types import (
 )
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, serve
+from tests.clients import CLIENT_KEY, Clients, open_clients
+from tests.conftest import Upstream, serve
 from tests.fakes.anthropic_upstream import (
     AFTER_TOOL_TEXT,
     TOOL_INPUT,
@@ -41,9 +41,7 @@ from tests.fakes.anthropic_upstream import (
 )
 
 API_KEY = "sk-ant-api03-configured-upstream-key-0123456789"  # what the config gives the gateway
-CLIENT_KEY = "sk-client-key-never-forwarded-9876543210"  # what the SDK clients send the gateway
 WATCHDOG_S = 5.0  # only reached when a test is broken; conditions are awaited, not slept on
-CLIENT_TIMEOUT_S = 10.0
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 MESSAGES: list[MessageParam] = [{"role": "user", "content": "hello there"}]
 WEATHER_TOOL: ChatCompletionToolParam = {
@@ -86,43 +84,6 @@ async def anthropic_upstream() -> AsyncIterator[AnthropicUpstream]:
         yield AnthropicUpstream(fake, url)
 
 
-class Clients:
-    """A running gateway and clients for it, each made on first use (SDK clients are not free)."""
-
-    def __init__(self, gateway: Gateway, stack: AsyncExitStack) -> None:
-        self.gateway = gateway
-        self._stack = stack
-
-    @functools.cached_property
-    def openai(self) -> openai.AsyncOpenAI:
-        client = openai.AsyncOpenAI(
-            base_url=self.gateway.base_url,
-            api_key=CLIENT_KEY,
-            max_retries=0,
-            timeout=CLIENT_TIMEOUT_S,
-        )
-        self._stack.push_async_callback(client.close)
-        return client
-
-    @functools.cached_property
-    def anthropic(self) -> anthropic.AsyncAnthropic:
-        client = anthropic.AsyncAnthropic(
-            base_url=self.gateway.url,
-            api_key=CLIENT_KEY,
-            max_retries=0,
-            timeout=CLIENT_TIMEOUT_S,
-        )
-        self._stack.push_async_callback(client.close)
-        return client
-
-    @functools.cached_property
-    def http(self) -> httpx.AsyncClient:
-        """For raw bytes and headers."""
-        client = httpx.AsyncClient(base_url=self.gateway.url, timeout=CLIENT_TIMEOUT_S)
-        self._stack.push_async_callback(client.aclose)
-        return client
-
-
 OpenGateway = Callable[..., AbstractAsyncContextManager[Clients]]
 
 
@@ -149,11 +110,8 @@ def open_gateway(anthropic_upstream: AnthropicUpstream) -> OpenGateway:
         }
         if sim is not None:
             providers["sim"] = {"type": "vllm", "base_url": sim.base_url}
-        async with (
-            run_gateway(gateway_settings(providers, list(models))) as gateway,
-            AsyncExitStack() as stack,
-        ):
-            yield Clients(gateway, stack)
+        async with open_clients(providers, list(models)) as clients:
+            yield clients
 
     return open_
 

@@ -12,13 +12,11 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
-import openai
 import orjson
 import pytest
 from anthropic.types import Message, ToolParam
@@ -35,7 +33,8 @@ from gateway.scrubbing import Scrubber
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
-from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, serve
+from tests.clients import Clients, open_clients
+from tests.conftest import Upstream, serve
 from tests.fakes.azure_upstream import AFTER_TOOL_TEXT, RESPONSES_VERSION, WORDS, AzureFake
 from tests.fakes.responses_upstream import WORDS as NATIVE_WORDS
 from tests.schemas import SchemaWire, parse_sse, validate, validate_stream
@@ -88,26 +87,12 @@ async def fake() -> AsyncIterator[tuple[AzureFake, str]]:
         yield upstream, url
 
 
-class Clients:
-    """A running gateway, and the SDK clients for it."""
-
-    def __init__(self, gw: Gateway, stack: AsyncExitStack) -> None:
-        self.gw = gw
-        self.chat = openai.AsyncOpenAI(base_url=gw.base_url, api_key="client", max_retries=0)
-        self.messages = anthropic.AsyncAnthropic(base_url=gw.url, api_key="client", max_retries=0)
-        self.http = httpx.AsyncClient(base_url=gw.url, timeout=10)
-        stack.push_async_callback(self.chat.close)
-        stack.push_async_callback(self.messages.close)
-        stack.push_async_callback(self.http.aclose)
-
-
 @asynccontextmanager
 async def gateway(
     providers: dict[str, Any], *models: dict[str, Any], **extra: Any
 ) -> AsyncIterator[Clients]:
-    settings = gateway_settings(providers, list(models), **extra)
-    async with run_gateway(settings) as gw, AsyncExitStack() as stack:
-        yield Clients(gw, stack)
+    async with open_clients(providers, list(models), **extra) as clients:
+        yield clients
 
 
 # --- the wire: paths, versions, credentials, filter results --------------------------------------
@@ -120,7 +105,7 @@ async def test_dated_version_uses_the_deployment_path_and_the_api_key(
     the `api-key` header; the stream reaches the client without Azure's filter-only events."""
     upstream, url = fake
     async with gateway({"az": azure(url)}, model("gpt", "az/gpt-4o-prod")) as clients:
-        chat = clients.chat
+        chat = clients.openai
         answer = await chat.chat.completions.create(
             model="gpt", messages=[{"role": "user", "content": "hi"}]
         )
@@ -153,7 +138,7 @@ async def test_v1_names_the_deployment_in_the_body_and_sends_the_entra_token(
     upstream, url = fake
     spec = {"type": "azure", "base_url": url, "api_version": "v1", "azure_ad_token": TOKEN}
     async with gateway({"az": spec}, model("gpt", "az/gpt-4o-prod")) as clients:
-        chat = clients.chat
+        chat = clients.openai
         answer = await chat.chat.completions.create(
             model="gpt", messages=[{"role": "user", "content": "hi"}]
         )
@@ -171,7 +156,7 @@ async def test_v1_names_the_deployment_in_the_body_and_sends_the_entra_token(
 async def test_openai_chat_tool_round_trip(fake: tuple[AzureFake, str]) -> None:
     upstream, url = fake
     async with gateway({"az": azure(url)}, model("gpt", "az/gpt-4o-prod")) as clients:
-        chat = clients.chat
+        chat = clients.openai
         for stream in (False, True):
             messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
             if stream:
@@ -244,7 +229,7 @@ async def test_responses_tool_round_trip(fake: tuple[AzureFake, str]) -> None:
         "strict": False,
     }
     async with gateway({"az": azure(url)}, model("gpt", "az/gpt-4o-prod")) as clients:
-        chat = clients.chat
+        chat = clients.openai
         for stream in (False, True):
             if stream:
                 events = await chat.responses.create(
@@ -290,7 +275,7 @@ async def test_anthropic_messages_tool_round_trip(fake: tuple[AzureFake, str]) -
         "input_schema": PARAMETERS,
     }
     async with gateway({"az": azure(url)}, model("gpt", "az/gpt-4o-prod")) as clients:
-        messages = clients.messages
+        messages = clients.anthropic
         for stream in (False, True):
             asked: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
             if stream:
@@ -535,7 +520,7 @@ async def test_a_content_filter_refusal_is_the_answer_and_not_failed_over(
                 and "content management policy" in error["message"]
             )
         with pytest.raises(anthropic.BadRequestError) as caught:
-            await clients.messages.messages.create(
+            await clients.anthropic.messages.create(
                 model="gpt", max_tokens=10, messages=[{"role": "user", "content": "hi"}]
             )
         latency = (await clients.http.get("/admin/latency")).json()
@@ -612,10 +597,10 @@ async def test_azure_and_openai_deployments_fail_over_both_ways(
             model("gpt-b", "oa/gpt-4o@reset_rate=1", "az/gpt-4o-west"),
         )
         async with gateway(providers, *models) as clients:
-            first = await clients.chat.chat.completions.with_raw_response.create(
+            first = await clients.openai.chat.completions.with_raw_response.create(
                 model="gpt", messages=[{"role": "user", "content": "hi"}]
             )
-            second = await clients.messages.messages.with_raw_response.create(
+            second = await clients.anthropic.messages.with_raw_response.create(
                 model="gpt-b", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
             )
     assert first.headers["x-tailguard-deployment"] == "oa/gpt-4o"
@@ -758,8 +743,8 @@ async def test_native_responses_reach_azures_responses_api(
     upstream, url = fake
     spec = azure(url, api_version=version, responses="native")
     async with gateway({"az": spec}, model("gpt", "az/gpt-4o-prod")) as clients:
-        answer = await clients.chat.responses.create(model="gpt", input="hi")
-        events = await clients.chat.responses.create(model="gpt", input="hi", stream=True)
+        answer = await clients.openai.responses.create(model="gpt", input="hi")
+        events = await clients.openai.responses.create(model="gpt", input="hi", stream=True)
         kinds = [event.type async for event in events]
     assert answer.output_text == "".join(NATIVE_WORDS)
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
