@@ -44,7 +44,7 @@ from typing import Any, Final
 
 import orjson
 
-from tests.fakes.asgi import lifespan, request_of
+from tests.fakes.asgi import Watched, lifespan, request_of
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -165,7 +165,7 @@ class _ScriptedError(Exception):
         self.headers = headers or []
 
 
-class AnthropicFake:
+class AnthropicFake(Watched):
     """The fake as an ASGI 3 application; see the module docstring for the scripts."""
 
     def __init__(self, *, api_key: str | None = None) -> None:
@@ -173,17 +173,7 @@ class AnthropicFake:
         self.requests: list[Received] = []
         self.streams_finished = 0
         self.streams_abandoned = 0
-        self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
-
-    async def wait_for(self, predicate: Callable[[AnthropicFake], bool]) -> None:
-        """Return once `predicate(self)` holds (at once if it already does)."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: predicate(self))
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
 
     # --- ASGI ----------------------------------------------------------------------------------
 
@@ -202,7 +192,7 @@ class AnthropicFake:
         except orjson.JSONDecodeError:
             body = None
         self.requests.append(Received(scope["method"], scope["path"], headers, body))
-        await self._notify()
+        await self.notify()
 
         gone = asyncio.Event()
 
@@ -474,7 +464,7 @@ class AnthropicFake:
                 self.streams_finished += 1
             else:
                 self.streams_abandoned += 1
-            await self._notify()
+            await self.notify()
 
 
 def _block_start(index: int, block: dict[str, Any]) -> dict[str, Any]:

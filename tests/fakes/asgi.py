@@ -1,8 +1,11 @@
-"""What every fake upstream does the same way: answer the lifespan protocol, read a request."""
+"""What every fake upstream does the same way: answer the lifespan protocol, read a request,
+and let a test wait on what it saw."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from typing import Any, Self
 
 
 async def lifespan(receive: Any, send: Any) -> None:
@@ -35,3 +38,25 @@ async def request_of(scope: Any, receive: Any) -> tuple[bytes, dict[str, str]] |
             break
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
     return b"".join(parts), headers
+
+
+class Watched:
+    """A fake whose state a test waits on: it calls `notify()` after each change, and
+    `wait_for(predicate)` returns once the predicate holds (at once if it already does)."""
+
+    def _condition(self) -> asyncio.Condition:
+        # Made on first use, inside the loop the test runs (a fake may be built outside it).
+        found: asyncio.Condition | None = self.__dict__.get("_watched")
+        if found is None:
+            found = self.__dict__["_watched"] = asyncio.Condition()
+        return found
+
+    async def wait_for(self, predicate: Callable[[Self], bool]) -> None:
+        condition = self._condition()
+        async with condition:
+            await condition.wait_for(lambda: predicate(self))
+
+    async def notify(self) -> None:
+        condition = self._condition()
+        async with condition:
+            condition.notify_all()

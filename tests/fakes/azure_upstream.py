@@ -39,7 +39,7 @@ from urllib.parse import parse_qs, unquote
 
 import orjson
 
-from tests.fakes.asgi import lifespan, request_of
+from tests.fakes.asgi import Watched, lifespan, request_of
 from tests.fakes.responses_upstream import ResponsesFake
 
 Scope = MutableMapping[str, Any]
@@ -82,7 +82,7 @@ def _error(http_status: int, code: str, message: str, **extra: Any) -> RefusedEr
     return RefusedError(http_status, {"error": {"code": code, "message": message, **extra}})
 
 
-class AzureFake:
+class AzureFake(Watched):
     """The fake as an ASGI 3 application; see the module docstring."""
 
     def __init__(
@@ -96,14 +96,9 @@ class AzureFake:
         self.responses = ResponsesFake()
         self.abandoned = 0
         self._ids = itertools.count(1)
-        self._changed = asyncio.Condition()
 
     def served(self, deployment: str) -> int:
         return sum(1 for r in self.requests if r.deployment == deployment)
-
-    async def wait_for(self, predicate: Callable[[AzureFake], bool]) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: predicate(self))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -146,8 +141,7 @@ class AzureFake:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-            async with self._changed:
-                self._changed.notify_all()
+            await self.notify()
 
     async def _responses(
         self,

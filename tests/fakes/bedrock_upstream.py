@@ -48,7 +48,7 @@ from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from tests.fakes.asgi import lifespan, request_of
+from tests.fakes.asgi import Watched, lifespan, request_of
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -155,7 +155,7 @@ class RefusedError(Exception):
 
 
 @dataclass
-class BedrockFake:
+class BedrockFake(Watched):
     """The fake as an ASGI 3 application. `credentials`: access key -> (secret, session token);
     `api_keys`: accepted Bedrock API keys."""
 
@@ -166,15 +166,6 @@ class BedrockFake:
     refused: list[str] = field(default_factory=list)  # error types answered, in order
     streams_finished: int = 0
     streams_abandoned: int = 0
-    _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-    async def wait_for(self, predicate: Callable[[BedrockFake], bool]) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: predicate(self))
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -202,7 +193,7 @@ class BedrockFake:
                 self._scripted_error(script)
             except RefusedError as refusal:
                 self.refused.append(refusal.kind)
-                await self._notify()
+                await self.notify()
                 await _error(send, refusal)
                 return
             if stream:
@@ -370,7 +361,7 @@ class BedrockFake:
             self.streams_finished += 1
         except (ConnectionError, OSError):
             self.streams_abandoned += 1
-        await self._notify()
+        await self.notify()
 
     def _frames(self, script: Script, body: dict[str, Any]) -> Iterator[bytes | None]:
         """The frames of an answer; None where the script pauses."""

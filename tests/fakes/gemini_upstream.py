@@ -61,7 +61,7 @@ from typing import Any, Final
 import orjson
 
 from tests.fakes.anthropic_upstream import AnthropicFake, Received, answer_text
-from tests.fakes.asgi import lifespan, request_of
+from tests.fakes.asgi import Watched, lifespan, request_of
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -172,7 +172,7 @@ def _invalid(message: str) -> GoogleError:
     return GoogleError(400, f"Invalid JSON payload received. {message}")
 
 
-class GeminiFake:
+class GeminiFake(Watched):
     """See the module docstring. `token_ok` checks a Vertex bearer token (the token fake's)."""
 
     def __init__(
@@ -193,11 +193,6 @@ class GeminiFake:
         self.streams_abandoned = 0
         self.signatures: set[str] = set()
         self._ids = itertools.count(1)
-        self._changed = asyncio.Condition()
-
-    async def wait_for(self, predicate: Callable[[GeminiFake], bool]) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: predicate(self))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -212,8 +207,7 @@ class GeminiFake:
         except orjson.JSONDecodeError:
             body = None
         self.requests.append(Received(scope["method"], scope["path"], headers, body))
-        async with self._changed:
-            self._changed.notify_all()
+        await self.notify()
         try:
             route = self._route(scope, headers)
             if route[0] == "anthropic":
@@ -273,8 +267,7 @@ class GeminiFake:
         for event in events:
             if await _pause(script.slow_ms, gone):
                 self.streams_abandoned += 1
-                async with self._changed:
-                    self._changed.notify_all()
+                await self.notify()
                 return
             await send(
                 {

@@ -14,7 +14,6 @@ Vertex fake asks it for every request's bearer token.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import secrets
@@ -29,7 +28,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
-from tests.fakes.asgi import lifespan, request_of
+from tests.fakes.asgi import Watched, lifespan, request_of
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -77,7 +76,7 @@ def _b64(data: str) -> bytes:
 
 
 @dataclass
-class TokenEndpoint:
+class TokenEndpoint(Watched):
     """The fake token endpoint as an ASGI app (any path; POST only)."""
 
     account: ServiceAccount | None = None  # set once the account exists (it names our URL)
@@ -86,17 +85,12 @@ class TokenEndpoint:
     rejected: int = 0
     refuse: bool = False  # refuse every assertion (as for a deleted key), however good
     _expiry: dict[str, float] = field(default_factory=dict)
-    _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def valid(self, token: str) -> bool:
         return time.monotonic() < self._expiry.get(token, 0.0)
 
     def revoke(self, token: str) -> None:
         self._expiry[token] = 0.0
-
-    async def wait_for(self, predicate: Callable[[TokenEndpoint], bool]) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: predicate(self))
 
     def _check(self, assertion: str) -> str | None:
         """What is wrong with the assertion; None when it is good."""
@@ -149,8 +143,7 @@ class TokenEndpoint:
             self.issued.append(token)
             status = 200
             body = {"access_token": token, "expires_in": self.lifetime_s, "token_type": "Bearer"}
-        async with self._changed:
-            self._changed.notify_all()
+        await self.notify()
         data = json.dumps(body).encode()
         await send(
             {
