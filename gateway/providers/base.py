@@ -31,7 +31,7 @@ from gateway.providers.decode import (
 from gateway.providers.decode_responses import ResponsesStreamDecoder, decode_responses_body
 from gateway.scrubbing import Scrubber
 from gateway.sse import SSEFramingError, SSEParser
-from gateway.upstream import StreamLimits
+from gateway.upstream import Counter, StreamLimits, TokenQuery
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 MAX_ERROR_BYTES = 64 * 1024
@@ -53,6 +53,16 @@ async def read_whole(read: Callable[[], Awaitable[bytes | None]], deployment: st
             )
         parts.append(data)
     return b"".join(parts)
+
+
+class NoCounter:
+    """An adapter whose upstream's token counter the gateway does not call: a count for its
+    deployments comes from the model's other deployments, or the estimate."""
+
+    def counter(
+        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
+    ) -> Counter | None:
+        return None
 
 
 def stream_limits(spec: ProviderSpec) -> StreamLimits:

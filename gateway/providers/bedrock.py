@@ -36,7 +36,7 @@ from gateway.errors import (
     upstream_error,
 )
 from gateway.models import Chunk, Endpoint, SSEEvent, UpstreamRequest, Wire
-from gateway.providers.base import MAX_ERROR_BYTES, read_whole, stream_limits
+from gateway.providers.base import MAX_ERROR_BYTES, NoCounter, read_whole, stream_limits
 from gateway.providers.bedrock_auth import CredentialsError, SigV4Signer
 from gateway.providers.bedrock_wire import (
     ConverseStreamTranslator,
@@ -53,7 +53,6 @@ from gateway.providers.decode import (
 from gateway.providers.http import STREAM_PIECE_BYTES, translate_client_error
 from gateway.providers.translate import TranslationError
 from gateway.scrubbing import Scrubber
-from gateway.upstream import Counter, TokenQuery
 
 EVENT_STREAM: Final = "application/vnd.amazon.eventstream"
 # Error types whose meaning the status does not carry.
@@ -76,7 +75,7 @@ _AUTH: Final = frozenset(
 _FORWARDED_HEADERS: Final = ("x-request-id", "traceparent", "tracestate")
 
 
-class BedrockProvider:
+class BedrockProvider(NoCounter):
     """Bedrock's Converse API behind the Messages wire; signs with SigV4 or an API key."""
 
     wire: Wire = "anthropic"
@@ -100,13 +99,6 @@ class BedrockProvider:
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint == "messages"
-
-    def counter(
-        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
-    ) -> Counter | None:
-        """None: Bedrock's CountTokens is not called; the model's other deployments, or the
-        estimate, count."""
-        return None
 
     async def open(self, deployment: str, request: UpstreamRequest) -> BedrockStream:
         body, model = self._converse_body(deployment, request)

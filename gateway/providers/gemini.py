@@ -27,7 +27,13 @@ from gateway.config import ProviderSpec
 from gateway.config.cloud_google import google_base_url
 from gateway.errors import ProviderError, ProviderRejectedError, upstream_error
 from gateway.models import Endpoint, UpstreamRequest, Wire
-from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, read_whole, stream_limits
+from gateway.providers.base import (
+    MAX_ERROR_BYTES,
+    ChunkStream,
+    NoCounter,
+    read_whole,
+    stream_limits,
+)
 from gateway.providers.decode import UpstreamProtocolError, parse_object
 from gateway.providers.http import _Body, _read_up_to, translate_client_error
 from gateway.providers.translate.gemini import chat_request_to_gemini
@@ -35,7 +41,6 @@ from gateway.providers.translate.gemini_answers import GeminiToChatStream, gemin
 from gateway.providers.translate.shapes import TranslationError
 from gateway.scrubbing import Scrubber
 from gateway.sse import SSEFramingError, SSEParser, frame
-from gateway.upstream import Counter, TokenQuery
 
 _CREDENTIAL_REASONS: Final = frozenset({"API_KEY_INVALID", "API_KEY_EXPIRED"})
 
@@ -202,7 +207,7 @@ def _chat_error(error: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class GeminiProvider:
+class GeminiProvider(NoCounter):
     """Gemini models over the Gemini API, presenting the chat wire. `VertexGemini` subclasses it:
     only the URL and the credential differ."""
 
@@ -235,13 +240,6 @@ class GeminiProvider:
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint == "chat"
-
-    def counter(
-        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
-    ) -> Counter | None:
-        """None: Gemini's countTokens is not called; the model's other deployments, or the
-        estimate, count."""
-        return None
 
     async def open(self, deployment: str, request: UpstreamRequest) -> ChunkStream:
         try:

@@ -4,16 +4,15 @@ each test, as httpx's `MockTransport` scripts a transport."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from gateway.models import Endpoint, UpstreamRequest, Wire
+from gateway.providers.base import NoCounter
 from gateway.scrubbing import Scrubber
-from gateway.upstream import Counter, StreamLimits, TokenQuery, UpstreamStream
+from gateway.upstream import StreamLimits, UpstreamStream
 
 DEFAULT_LIMITS = StreamLimits(idle_s=60.0, max_precommit_events=1000, max_precommit_bytes=1 << 20)
 
 
-class FakeProvider:
+class FakeProvider(NoCounter):
     """Every member of the `Provider` seam: an OpenAI-wire upstream that serves every endpoint,
     counts no tokens and opens no call until a test scripts `open`."""
 
@@ -30,8 +29,3 @@ class FakeProvider:
 
     async def open(self, deployment: str, request: UpstreamRequest) -> UpstreamStream:
         raise AssertionError(f"{self.name}: this fake opens no call")
-
-    def counter(
-        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
-    ) -> Counter | None:
-        return None
