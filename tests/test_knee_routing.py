@@ -138,4 +138,6 @@ async def test_a_small_provider_is_kept_to_its_slots_once_its_knee_is_learned(
     on_small = sum(a.deployment == SMALL_ID for a in answers)
     seen = f"{small.most} at once on the small one, {on_small} of {len(answers)} served there"
     assert small.most <= SLOTS + 2, seen
-    assert on_small >= len(answers) // 8, seen  # still used while it has free slots
+    # Still used while it has free slots: at least its slots' worth (its share of the rest
+    # follows how fast each answers on this machine at the time).
+    assert on_small >= SLOTS, seen

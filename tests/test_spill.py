@@ -200,7 +200,7 @@ async def test_a_burst_within_one_scrape_interval_spreads_over_idle_servers(
 ) -> None:
     """Three idle servers of two slots each, all shown empty by their last scrape, and twelve
     requests at once: each server gets its two slots' worth before any gets a third, and the
-    rest queue evenly (two each), rather than all going to the one whose baseline is lowest."""
+    rest are spread over them, rather than all going to the one whose baseline is lowest."""
     async with sims(LONG, LONG, LONG) as servers:
         names = dict(zip("abc", servers, strict=True))
         providers = {name: vllm(sim) for name, sim in names.items()}
@@ -229,7 +229,11 @@ async def test_a_burst_within_one_scrape_interval_spreads_over_idle_servers(
             burst = [asyncio.create_task(ask(client, gw.url, max_tokens=30)) for _ in range(12)]
             held = await holding(servers, 12)
             answers = await asyncio.gather(*burst)
-    assert held == [(SLOTS, SLOTS)] * 3
+    # Every server got its two slots' worth before any got a third, and the rest did not all
+    # queue at one. How evenly they queue beyond that depends on whether a scrape lands inside
+    # the burst, which a busy machine decides.
+    assert [running for running, _ in held] == [SLOTS] * 3, held
+    assert max(waiting for _, waiting in held) < 12 - 3 * SLOTS, held
     assert all(served_well(x) for x in answers), answers
 
 
