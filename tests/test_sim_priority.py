@@ -238,11 +238,13 @@ async def test_an_equal_priority_waits_and_the_latest_arrival_is_preempted() -> 
 async def test_cancelling_a_preempted_or_waiting_victim_frees_everything() -> None:
     """A preempted stream whose client leaves, and a bulk request that only ever waited, give
     up their places; the interactive request is served and the pool ends empty."""
-    async with sim(**{**PREEMPTIVE, "output_tokens": 30}) as (engine, client):
+    # The victim's answer is long (10 s): on a busy machine it must still be running when the
+    # interactive request arrives; the interactive one is short.
+    async with sim(**{**PREEMPTIVE, "output_tokens": 1000}) as (engine, client):
         victim = Stream(client, chat(priority=5), mark=2)
         async with asyncio.timeout(WATCHDOG_S):
             await victim.marked.wait()
-        interactive = Stream(client, chat())
+        interactive = Stream(client, chat(max_tokens=30))
         await until(engine, lambda s: s.preemptions == 1 and s.waiting == 1)
         queued = asyncio.create_task(client.post("/v1/chat/completions", json=chat(priority=9)))
         await until(engine, lambda s: s.waiting == 2)
