@@ -13,8 +13,8 @@ from typing import Any, cast
 import orjson
 
 from gateway.config import AffinitySpec, DeploymentSpec
+from gateway.latency.vllm import Histogram, ServerLoad
 from gateway.models import Call
-from gateway.providers.vllm import Histogram, ServerLoad
 from gateway.routing.affinity import Affinity, prefix_chain
 from gateway.routing.plan import Candidate, Plan
 from gateway.upstream import Provider

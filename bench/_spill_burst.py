@@ -23,7 +23,7 @@ import aiohttp
 
 from bench._harness import ROOT, stream_chat_body
 from bench._spill_setup import KEEPALIVE_S, METRICS_INTERVAL_S, REQUEST_TIMEOUT_S, start_sim
-from gateway.providers.vllm import parse_metrics
+from gateway.latency.vllm import parse_metrics
 from gateway.tools.stack import Stack, free_port, start_gateway
 from gateway.tools.stream import StreamReader
 

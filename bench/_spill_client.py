@@ -24,7 +24,7 @@ from bench._spill_setup import (
     QUEUE_SAMPLE_S,
     REQUEST_TIMEOUT_S,
 )
-from gateway.providers.vllm import parse_metrics
+from gateway.latency.vllm import parse_metrics
 from gateway.tools.stream import StreamReader
 
 

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.api import create_app
 from gateway.config import AffinitySpec, DeploymentSpec
 from gateway.latency import BandStats, MemoryRecorder, MetricStats, TargetStats
+from gateway.latency.vllm import Histogram, ServerLoad
 from gateway.models import Call
-from gateway.providers.vllm import Histogram, ServerLoad
 from gateway.routing.affinity import (
     MAX_HOLDERS,
     MAX_LEVELS,

@@ -12,7 +12,7 @@ from gateway.batching import BulkGate
 from gateway.batching.gate import Upstream
 from gateway.config import BulkSpec, Settings
 from gateway.errors import OverloadedError
-from gateway.providers.vllm import Histogram, ServerLoad, ServerState
+from gateway.latency.vllm import Histogram, ServerLoad, ServerState
 from gateway.sim.profile import SimProfile
 from tests.conftest import gateway_settings, run_gateway
 from tests.test_batching import BULK

@@ -34,7 +34,7 @@ LIBRARY_OWNERS = {
     "httpx": set(),
     "aiohttp": {
         "gateway.providers.http",
-        "gateway.providers.vllm",
+        "gateway.latency.vllm",  # scrapes vLLM's /metrics
         "gateway.providers.bedrock",
         "gateway.providers.gemini",
         "gateway.providers.vertex",
@@ -56,7 +56,7 @@ LIBRARY_OWNERS = {
         "gateway.telemetry.meters",
         "gateway.telemetry.fallbacks",
         "gateway.telemetry.catalogue",
-        "gateway.providers.vllm",  # parses vLLM's /metrics
+        "gateway.latency.vllm",  # parses vLLM's /metrics
     },
     "typer": {"gateway.cli"},
     "rich": {"gateway.cli"},

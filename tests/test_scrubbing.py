@@ -10,7 +10,7 @@ from urllib.parse import quote
 import pytest
 
 from gateway.providers.decode import decode_openai_body, openai_error
-from gateway.providers.http import HTTPProvider
+from gateway.providers.openai import OpenAIProvider
 from gateway.scrubbing import MIN_SECRET_CHARS, Scrubber
 from tests.conftest import gateway_settings
 
@@ -130,5 +130,5 @@ def test_an_http_provider_scrubs_its_key_and_header_values() -> None:
         },
         [{"name": "m", "deployments": [{"provider": "p", "model": "x"}]}],
     )
-    provider = HTTPProvider("p", settings.providers["p"], session=None)  # type: ignore[arg-type]
+    provider = OpenAIProvider("p", settings.providers["p"], session=None)  # type: ignore[arg-type]
     assert provider.scrub("plainTOKEN12345 orgPLAIN24680") == "*** ***"

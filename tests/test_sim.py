@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 from pydantic import ValidationError
 
-from gateway.providers.vllm import parse_metrics
+from gateway.latency.vllm import parse_metrics
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile, apply_overrides
 from gateway.sim.server import SimConfigError, create_sim_app, load_profiles

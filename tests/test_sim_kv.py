@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.providers.vllm import parse_metrics
+from gateway.latency.vllm import parse_metrics
 from tests.sim_server import LABELS, WATCHDOG_S, sim, until
 
 SLOW = "m@tokens_per_s=1,output_tokens=1000"  # holds its KV, growing one token a second

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.providers.vllm import parse_metrics
+from gateway.latency.vllm import parse_metrics
 from gateway.sim.engine import SimEngine
 from tests.sim_server import LABELS, WATCHDOG_S, chat, sim, until
 

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.providers.vllm import parse_metrics
+from gateway.latency.vllm import parse_metrics
 from gateway.sim.speculative import Speculation, tokens_per_step
 from tests.sim_server import LABELS, chat, sim
 

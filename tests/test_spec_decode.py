@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.providers.vllm import (
+from gateway.latency.vllm import (
     ServerLoad,
     ServerState,
     SpecCounters,

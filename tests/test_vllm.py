@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.providers.vllm import Histogram, ServerState, metrics_url, parse_metrics
+from gateway.latency.vllm import Histogram, ServerState, metrics_url, parse_metrics
 from gateway.routing.predict import TTFTPredictor, prompt_band
 
 PAGE_NEW = """\

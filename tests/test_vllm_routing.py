@@ -21,7 +21,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.providers.vllm import parse_metrics
+from gateway.latency.vllm import parse_metrics
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.scheduler import SimStats

@@ -41,7 +41,7 @@ from gateway.config import (
 )
 from gateway.errors import GatewayError, InvalidRequestError, UnknownModelError, quote
 from gateway.latency import Recorder, TargetStats
-from gateway.providers.vllm import snapshot as vllm_snapshot
+from gateway.latency.vllm import snapshot as vllm_snapshot
 from gateway.responses.store import ResponseStore
 from gateway.runtime import Runtime, Services
 from gateway.telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE

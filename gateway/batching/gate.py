@@ -78,7 +78,7 @@ class Load(Protocol):
 
 
 class Server(Protocol):
-    """What the gate reads of a vLLM server (`gateway.providers.vllm.ServerState`, handed over
+    """What the gate reads of a vLLM server (`gateway.latency.vllm.ServerState`, handed over
     by the composition root: batching imports no provider)."""
 
     @property

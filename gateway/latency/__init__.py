@@ -1,4 +1,5 @@
-"""Latency statistics: what every request hands over when it ends, and where it is kept.
+"""What is known of each deployment's speed and load: the latency statistics every request hands
+over when it ends, where they are kept, and what vLLM servers say of their own load.
 
 `Recorder.record` is called on the request path, so it only touches memory. The stores keep, per
 deployment and per model name, one sketch per metric (`ttft`, `tpot`, `total`) and per time slice;
@@ -11,7 +12,9 @@ flush and refresh tasks.
 Modules: `samples` (the sample, recorders, observations), `window` (counts per slice),
 `snapshot` (the stats types and the snapshot built from counts), `memory` (the store protocol
 and the in-process store), `redis_store` (the shared store and its wire format), `tasks`
-(`run_store`). This package re-exports what the other rooms use.
+(`run_store`), `sketch` and `prompt_size` (the histogram and the prompt-size bands), `vllm` and
+`vllm_spec` (a vLLM server's `/metrics`, scraped in the background by a `Scraper`). This package
+re-exports what the other rooms use of the statistics.
 """
 
 from __future__ import annotations

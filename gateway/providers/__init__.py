@@ -1,4 +1,4 @@
-"""Upstream adapters: one per wire protocol, behind the `Provider` seam in `base`."""
+"""Upstream adapters: one per upstream API, behind the `Provider` seam (`gateway.upstream`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ from gateway.upstream import Provider
 
 async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str, Provider]:
     """Build every configured provider; their connection pools close when `stack` does."""
-    from gateway.providers.http import HTTPProvider, make_session
+    from gateway.providers.anthropic import AnthropicProvider
+    from gateway.providers.http import make_session
+    from gateway.providers.openai import OpenAIProvider
     from gateway.providers.simulated import SimulatedProvider
+    from gateway.providers.vllm import VLLMProvider
+
+    over_http = {"openai": OpenAIProvider, "vllm": VLLMProvider, "anthropic": AnthropicProvider}
 
     providers: dict[str, Provider] = {}
     for name, spec in settings.providers.items():
@@ -35,7 +40,7 @@ async def open_providers(settings: Settings, stack: AsyncExitStack) -> dict[str,
         else:
             session = make_session(spec)
             stack.push_async_callback(session.close)
-            providers[name] = HTTPProvider(name, spec, session)
+            providers[name] = over_http[spec.type](name, spec, session)
     return providers
 
 

@@ -26,17 +26,15 @@ from urllib.parse import quote
 from gateway.config import ProviderSpec
 from gateway.errors import ContentFilteredError, ProviderError, ProviderRejectedError
 from gateway.models import Chunk, Endpoint, UpstreamRequest
-from gateway.providers.http import HTTPProvider, Session
+from gateway.providers.base import NoCounter
+from gateway.providers.http import Session
+from gateway.providers.openai import PATHS as _PATHS
+from gateway.providers.openai import OpenAIProvider
 from gateway.scrubbing import Scrubber
 from gateway.upstream import UpstreamStream
 
 log = logging.getLogger(__name__)
 
-_PATHS: Final[dict[Endpoint, str]] = {
-    "chat": "/chat/completions",
-    "completions": "/completions",
-    "embeddings": "/embeddings",
-}
 _FILTER_KEYS: Final = frozenset({"content_filter_results", "content_filter_offsets"})
 _IDLE_CHOICE_KEYS: Final = _FILTER_KEYS | {"index", "finish_reason", "logprobs", "delta"}
 
@@ -85,8 +83,11 @@ class TokenFile:
         return self.token
 
 
-class AzureProvider(HTTPProvider):
-    """An Azure OpenAI resource: its deployments are the gateway deployments' `model`s."""
+class AzureProvider(NoCounter, OpenAIProvider):
+    """An Azure OpenAI resource: its deployments are the gateway deployments' `model`s. Azure
+    offers no token counter (its Responses API has no `input_tokens`)."""
+
+    system = "azure.ai.openai"
 
     def __init__(self, name: str, spec: ProviderSpec, session: Session) -> None:
         super().__init__(name, spec, session)

@@ -7,11 +7,12 @@ Each upstream protocol has its own counter, asked in the shape it takes:
 - vLLM: `POST {base without /v1}/tokenize` with the chat form (`messages`, `tools`) → `count`;
 - simulated: the engine's own tokenizer (`SimEngine.count_tokens`), the one its usage reports.
 
-Each adapter answers for itself (`Provider.counter`, built from the helpers here); one without a
-counter (an OpenAI-compatible chat API, Azure, Bedrock, Gemini, Vertex) answers None, and the
-caller falls back on `estimate_tokens`. A counter's failure is a `ProviderError`,
-translated here from the transport's exceptions and the upstream's status (through the one
-table, `gateway.errors.upstream_error`); what one wire cannot express raises `TranslationError`.
+Each adapter answers for itself (`Provider.counter`, built from `http_counter` or
+`simulated_counter`); one without a counter (an OpenAI-compatible chat API, Azure, Bedrock,
+Gemini, Vertex) answers None, and the caller falls back on `estimate_tokens`. A counter's
+failure is a `ProviderError`, translated here from the transport's exceptions and the
+upstream's status (through the one table, `gateway.errors.upstream_error`); what one wire cannot
+express raises `TranslationError`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
@@ -131,59 +131,6 @@ class CountQuery:
 # --- the counters --------------------------------------------------------------------------------
 
 
-def http_counter(
-    provider: HTTPProvider,
-    spec: ProviderSpec,
-    *,
-    deployment: str,
-    upstream_model: str,
-    query: TokenQuery,
-    headers: Mapping[str, str],
-) -> Counter | None:
-    """An HTTP upstream's counter, by the protocol its config names (Anthropic's, a native
-    Responses API's, vLLM's `/tokenize`); None for one without (an OpenAI-compatible chat API,
-    Azure). The request is bounded by the provider's connect and read timeouts."""
-    if spec.base_url is None:
-        return None
-    size = query.size
-    base = spec.base_url.rstrip("/")
-    forward = {k: v for k, v in headers.items() if k != "anthropic-beta"}
-    if spec.type == "anthropic":
-        return _http_counter(
-            provider,
-            spec,
-            deployment,
-            base + "/v1/messages/count_tokens",
-            lambda: {**query.messages(), "model": upstream_model},
-            "input_tokens",
-            dict(headers),
-            size,
-        )
-    if spec.type == "openai" and spec.responses == "native":
-        return _http_counter(
-            provider,
-            spec,
-            deployment,
-            base + "/responses/input_tokens",
-            lambda: {**query.responses(), "model": upstream_model},
-            "input_tokens",
-            forward,
-            size,
-        )
-    if spec.type == "vllm":
-        return _http_counter(
-            provider,
-            spec,
-            deployment,
-            tokenize_url(spec.base_url),
-            lambda: {"model": upstream_model, **query.chat()},
-            "count",
-            forward,
-            size,
-        )
-    return None
-
-
 def simulated_counter(
     engine: Any, *, deployment: str, upstream_model: str, query: TokenQuery
 ) -> Counter:
@@ -214,33 +161,27 @@ def _encoded(make_body: Callable[[], dict[str, Any]]) -> bytes:
     return orjson.dumps(make_body())
 
 
-def tokenize_url(base_url: str) -> str:
-    """vLLM serves `/tokenize` at the root, beside `/v1`."""
-    parts = urlsplit(base_url)
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[:-3]
-    return urlunsplit((parts.scheme, parts.netloc, path + "/tokenize", "", ""))
-
-
-def _http_counter(
+def http_counter(
     provider: HTTPProvider,
     spec: ProviderSpec,
     deployment: str,
     url: str,
     make_body: Callable[[], dict[str, Any]],
     key: str,
-    headers: dict[str, str],
+    headers: Mapping[str, str],
     size: int,
 ) -> Counter:
-    # The session's own timeouts bound connecting and each read; this bounds the whole, so a
-    # counter trickling bytes cannot hold the request either.
+    """A counter behind `url` on the provider's own pool and credentials: `make_body()` is
+    posted, translated off the loop when large, and the answer's `key` is the count.
+
+    The session's own timeouts bound connecting and each read; this bounds the whole, so a
+    counter trickling bytes cannot hold the request either."""
     limit_s = (spec.connect_timeout_ms + spec.read_timeout_ms) / 1000
 
     async def post() -> int:
         body = await off_loop(size, _encoded, make_body)  # translated before anything is sent
         # The provider's own pool and credentials, as its LLM requests use them.
-        sent = provider.body_headers | headers
+        sent = {**provider.body_headers, **headers}
         try:
             async with asyncio.timeout(limit_s):
                 status, answer, reply_headers = await _post(provider.session, url, body, sent)

@@ -1,6 +1,9 @@
-"""Adapters for upstreams reached over HTTP: OpenAI-compatible APIs (incl. vLLM) and Anthropic.
+"""What the adapters of upstreams reached over HTTP share: the connection pool, the transport's
+errors, the body reader, and `HTTPProvider`, one request sent and its answer read as a stream.
 
-Each provider borrows one `aiohttp.ClientSession` (its connection pool), owned by the app's
+Each protocol is one subclass: `openai.OpenAIProvider` (OpenAI-compatible APIs; `vllm` adds
+vLLM's token counter, `azure` Azure's paths and auth), `anthropic.AnthropicProvider`. Each
+provider borrows one `aiohttp.ClientSession` (its connection pool), owned by the app's
 lifespan. The upstream client is most of a proxy's per-request CPU cost; measured on the gateway's
 hot path, aiohttp used directly costs about half of httpx running over an aiohttp transport (URL
 parsing, header models and response objects made twice), so the adapter speaks aiohttp.
@@ -17,25 +20,10 @@ import aiohttp
 
 from gateway.config import ProviderSpec
 from gateway.errors import ProviderError, ProviderTimeoutError, inband_error
-from gateway.models import Endpoint, UpstreamRequest, Wire
+from gateway.models import Endpoint, InBandError, UpstreamRequest, Wire
 from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, status_error, stream_limits
-from gateway.providers.decode import anthropic_error, openai_error
 from gateway.scrubbing import Scrubber
 from gateway.upstream import Counter, TokenQuery, UpstreamStream
-
-_OPENAI_PATHS: Final[dict[Endpoint, str]] = {
-    "chat": "/chat/completions",
-    "completions": "/completions",
-    "embeddings": "/embeddings",
-}
-_ANTHROPIC_PATHS: Final[dict[Endpoint, str]] = {"messages": "/v1/messages"}
-
-_SYSTEMS: Final[dict[str, str]] = {
-    "openai": "openai",
-    "vllm": "vllm",
-    "anthropic": "anthropic",
-    "azure": "azure.ai.openai",
-}
 
 _TIMEOUTS = (TimeoutError, aiohttp.ServerTimeoutError)
 
@@ -134,25 +122,23 @@ class _Body:
 
 
 class HTTPProvider:
-    """An upstream reached over HTTP, speaking the OpenAI or the Anthropic wire format."""
+    """An upstream reached over HTTP; a subclass names its wire, paths, auth and counter."""
 
+    wire: Wire
+    system: str  # `gen_ai.provider.name`
+    paths: Mapping[Endpoint, str]  # below `base_url`
     credential = "api_key"  # what a 401 or 403 says to check
 
     def __init__(self, name: str, spec: ProviderSpec, session: aiohttp.ClientSession) -> None:
         assert spec.base_url is not None  # checked by the config
         self.name = name
-        self.wire: Wire = "anthropic" if spec.type == "anthropic" else "openai"
-        self.system = _SYSTEMS[spec.type]
         self.address = urlsplit(spec.base_url).hostname
         self.bulk_priority = spec.bulk_priority
         self.limits = stream_limits(spec)
         self.session = session
         self._spec = spec
-        base = spec.base_url.rstrip("/")
-        paths = _ANTHROPIC_PATHS if self.wire == "anthropic" else _OPENAI_PATHS
-        self._urls = {endpoint: base + path for endpoint, path in paths.items()}
-        if spec.responses == "native":
-            self._urls["responses"] = base + "/responses"
+        self._base = spec.base_url.rstrip("/")
+        self._urls = {endpoint: self._base + path for endpoint, path in self.paths.items()}
         key = spec.api_key.get_secret_value() if spec.api_key else None
         headers = {"content-type": "application/json"} | self._auth_headers(spec, key)
         for header, value in spec.headers.items():
@@ -169,10 +155,11 @@ class HTTPProvider:
 
     def _auth_headers(self, spec: ProviderSpec, key: str | None) -> dict[str, str]:
         """The headers that carry the credential (and the API version) on every request."""
-        if self.wire == "anthropic":
-            headers = {"anthropic-version": spec.anthropic_version}
-            return headers | {"x-api-key": key} if key else headers
-        return {"authorization": f"Bearer {key}"} if key else {}
+        raise NotImplementedError
+
+    def _inband_error(self, body: bytes) -> InBandError | None:
+        """The error a 2xx body that is not a stream carries, in the protocol's shape."""
+        raise NotImplementedError
 
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in self._urls
@@ -180,17 +167,8 @@ class HTTPProvider:
     def counter(
         self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
     ) -> Counter | None:
-        """The counter of its protocol, if it has one (see `gateway.providers.count`)."""
-        from gateway.providers.count import http_counter
-
-        return http_counter(
-            self,
-            self._spec,
-            deployment=deployment,
-            upstream_model=upstream_model,
-            query=query,
-            headers=headers,
-        )
+        """The protocol's token counter, if its upstream has one (`gateway.providers.count`)."""
+        return None
 
     def _target(self, deployment: str, request: UpstreamRequest) -> tuple[str, dict[str, str]]:
         """Where the request goes and with which headers."""
@@ -216,10 +194,7 @@ class HTTPProvider:
             finally:
                 response.close()
             if response.status < 300:  # asked for a stream, got a body: an in-band error?
-                if self.wire == "openai":
-                    found = openai_error(body, scrub=self.scrub)
-                else:
-                    found = anthropic_error(body, scrub=self.scrub)
+                found = self._inband_error(body)
                 if found is not None:
                     raise inband_error(deployment, found)
                 raise ProviderError(

@@ -36,8 +36,8 @@ import orjson
 from gateway.config import AffinitySpec
 from gateway.latency import TargetStats
 from gateway.latency.prompt_size import fit_line
+from gateway.latency.vllm import ServerLoad
 from gateway.models import Call
-from gateway.providers.vllm import ServerLoad
 from gateway.routing.plan import Candidate, Plan
 
 Outcome = Literal["hit", "bounded", "queue", "miss"]
@@ -248,7 +248,7 @@ class PrefixTable:
 
 
 class Server(Protocol):
-    """What steering reads of a vLLM server (`gateway.providers.vllm.ServerState`)."""
+    """What steering reads of a vLLM server (`gateway.latency.vllm.ServerState`)."""
 
     def current(self) -> ServerLoad | None: ...
     def prefix_hit_rate(self) -> float | None: ...

@@ -14,8 +14,8 @@ from typing import Protocol
 
 from gateway.config import ModelSpec
 from gateway.latency import LatencyStore
+from gateway.latency.vllm import ServerLoad, ServerState
 from gateway.models import Call
-from gateway.providers.vllm import ServerLoad, ServerState
 from gateway.routing.affinity import Affinity
 from gateway.routing.guards import Guards
 from gateway.routing.measured import with_measured_tpot

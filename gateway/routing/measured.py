@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from gateway.providers.vllm import ServerState
+from gateway.latency.vllm import ServerState
 from gateway.routing.plan import Candidate
 
 

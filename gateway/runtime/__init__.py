@@ -25,7 +25,7 @@ from gateway.admission.auth import KeyRing, exposed_without_keys
 from gateway.admission.ratelimit import Admission, RateLimiter, open_rate_limiter
 from gateway.config import ConfigError, RateLimitSpec, Settings, load_settings
 from gateway.latency import LatencyStore, Recorder
-from gateway.providers.vllm import Scraper
+from gateway.latency.vllm import Scraper
 from gateway.responses.store import ResponseStore
 from gateway.routing import Guards, TTFTPredictor
 from gateway.runtime.compose import Lifespan, Services, build_services, open_latency_store

@@ -29,9 +29,9 @@ from gateway.latency import (
     RedisLatencyStore,
     run_store,
 )
+from gateway.latency.vllm import Scraper, ServerState
 from gateway.providers import open_providers
 from gateway.providers.base import decode_body
-from gateway.providers.vllm import Scraper, ServerState
 from gateway.redis import connect_redis
 from gateway.responses.store import ResponseStore, open_response_store
 from gateway.routing import Affinity, Guards, TTFTPredictor, fallback_chain

@@ -226,7 +226,7 @@ class EventLoopCollector(Collector):
         yield tasks
 
 
-VllmFigures = Mapping[str, Mapping[str, Any]]  # per provider, as `providers.vllm.snapshot` gives
+VllmFigures = Mapping[str, Mapping[str, Any]]  # per provider, as `latency.vllm.snapshot` gives
 # The plain gauges: name, help, where the figure sits in a provider's figures, its scale.
 _VLLM_GAUGES = (
     (VLLM_RUNNING, "Requests the server runs in its batch.", ("running",), 1.0),

@@ -32,8 +32,8 @@ from gateway import numbers
 from gateway.api import create_app
 from gateway.config import Settings
 from gateway.latency import MemoryRecorder
+from gateway.latency.vllm import parse_metrics
 from gateway.numbers import MAX_TOKENS
-from gateway.providers.vllm import parse_metrics
 from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.faults.conftest import CHAT, http_client, settled
