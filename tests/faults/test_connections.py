@@ -30,7 +30,7 @@ from gateway.config import Settings
 from tests.conftest import Gateway, free_port, gateway_settings, run_gateway
 from tests.faults.conftest import http_client, settled
 from tests.faults.leaks import fd_count, links, port_of
-from tests.test_operations import TAILGUARD, config, gateway_from, write
+from tests.runtime.test_operations import TAILGUARD, config, gateway_from, write
 from tests.timing import eventually, scaled, slowdown
 
 # server.read_timeout_s: on a busy machine 50 clients' heads may wait longer than 0.4 s for the

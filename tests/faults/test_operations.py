@@ -24,7 +24,7 @@ from gateway.latency import MemoryRecorder
 from tests.conftest import Upstream, free_port, gateway_settings, serve
 from tests.faults.conftest import chat, routed, settled
 from tests.faults.wire import Exchange, RawUpstream
-from tests.test_operations import config, gateway_from, write
+from tests.runtime.test_operations import config, gateway_from, write
 from tests.timing import eventually, scaled
 
 # --- the trace collector -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from gateway.errors import OverloadedError
 from tests.conftest import RedisServer, Upstream, run_gateway
 from tests.faults.conftest import chat, routed
 from tests.faults.wire import RedisProxy
-from tests.test_metrics import scrape
+from tests.telemetry.test_metrics import scrape
 from tests.timing import eventually, scaled
 
 KEY, KEY_HASH = new_key()
