@@ -23,7 +23,7 @@ from gateway.config import Settings
 from tests.conftest import Gateway, gateway_settings
 from tests.faults.leaks import links, no_leaks, port_of, request_tasks, task_names
 from tests.faults.stall import loop_watchdog, pytest_runtest_call
-from tests.timing import eventually
+from tests.timing import eventually, scaled
 
 __all__ = [
     "CHAT",
@@ -108,7 +108,7 @@ def http_client(**options: Any) -> httpx.AsyncClient:
 
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with http_client(timeout=10) as http:
+    async with http_client(timeout=scaled(10)) as http:
         yield http
 
 
@@ -119,7 +119,7 @@ async def sdk(gw: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
         base_url=gw.base_url,
         api_key="unused",
         max_retries=0,
-        http_client=openai.DefaultAsyncHttpxClient(verify=LOOPBACK_TLS, timeout=10),
+        http_client=openai.DefaultAsyncHttpxClient(verify=LOOPBACK_TLS, timeout=scaled(10)),
     )
     async with made as client:
         yield client

@@ -27,6 +27,7 @@ from gateway.admission.auth import new_key
 from gateway.admission.validate import MAX_JSON_DEPTH
 from tests.conftest import Gateway, gateway_settings, run_gateway
 from tests.faults.wire import DONE, Exchange, RawUpstream
+from tests.timing import scaled
 
 KEY, KEY_HASH = new_key()
 CAP: Final = 50  # the key's max_tokens
@@ -293,7 +294,7 @@ def check(outcome: Outcome, endpoint: str, *, keyed: bool) -> None:
 
 @pytest.fixture
 def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=10) as client:
+    with httpx.Client(timeout=scaled(10)) as client:
         yield client
 
 

@@ -379,7 +379,7 @@ async def _finish(handlers: set[asyncio.Task[object]], writers: set[asyncio.Stre
     for writer in list(writers):
         writer.transport.abort()
     if handlers:
-        _, stuck = await asyncio.wait(set(handlers), timeout=2)
+        _, stuck = await asyncio.wait(set(handlers), timeout=scaled(2))
         for task in stuck:  # a script that ignores its closed connection
             task.cancel()
         await asyncio.gather(*stuck, return_exceptions=True)
