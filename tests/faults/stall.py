@@ -9,7 +9,9 @@ than the code it runs:
   the loop thread itself at both ends of the turn, so it is exact even though the kernel adds a
   wait only once the thread is back on a CPU;
 - while the loop thread waits on a futex (for the GIL), the run-queue delay of the thread it
-  may be waiting for (the largest among the process's others), as the watchdog samples it;
+  may be waiting for (the largest among the process's others), as the watchdog samples it:
+  since its last sample, in this turn or an earlier one, but never more than the part of that
+  interval inside the turn;
 - the time spent collecting garbage, by the loop thread or any other (a collection holds the
   GIL: the loop cannot run until it ends).
 
@@ -243,7 +245,12 @@ class StallDetector:
         and take the turn's stack once it looks long (an upper bound: a run-queue wait in
         progress is not counted yet)."""
         own = _TASKS / self._native_id / "schedstat"
-        seen, gil, others = 0, 0.0, None
+        seen, gil = 0, 0.0
+        # The other threads' run-queue delays when last read, and when: kept from turn to turn,
+        # so the first wait for the GIL in a turn is excused too (the holder, often this very
+        # thread, descheduled mid-poll); what counts is clamped to the part inside the turn.
+        others: dict[str, float] | None = None
+        others_at = 0.0
         # time.sleep, not Event.wait: a few bytecodes with the GIL per poll rather than a hundred,
         # so the watchdog is rarely descheduled while the loop waits for the GIL it holds.
         while not self._stopping:
@@ -252,14 +259,16 @@ class StallDetector:
             if not self._busy:
                 continue
             if turn != seen:  # a new turn: nothing excused or taken for it yet
-                seen, others, gil = turn, None, 0.0
+                seen, gil = turn, 0.0
             if (_read(_TASKS / self._native_id / "wchan") or "").startswith("futex"):
-                latest = _run_delays()
+                latest, now = _run_delays(), time.monotonic()
                 latest.pop(self._native_id, None)
                 if others is not None:
-                    gil += max((d - others.get(t, d) for t, d in latest.items()), default=0.0)
+                    window = now - max(others_at, started)
+                    waited = max((d - others.get(t, d) for t, d in latest.items()), default=0.0)
+                    gil += max(0.0, min(waited, window))
                     self._gil_excused = (turn, gil)
-                others = latest
+                others, others_at = latest, now
             delay = (_run_delay(_read(own)) or self._delay_at) - self._delay_at
             held = time.monotonic() - started - delay - gil
             if held > self.threshold_s * 0.6 and self._stack[0] != turn and self._turn == turn:
