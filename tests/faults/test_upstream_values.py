@@ -38,6 +38,7 @@ from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, ser
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.faults.conftest import CHAT, http_client, settled
 from tests.faults.wire import DONE, Exchange, RawUpstream
+from tests.source import parse
 from tests.timing import scaled
 
 EXAMPLES: Final = hypothesis.settings(
@@ -733,7 +734,7 @@ def _gateway_codes() -> set[str]:
     for path in Path(gateway.__file__).parent.rglob("*.py"):
         if "/sim/" in str(path):
             continue  # the simulator's own answers are an upstream's
-        tree = ast.parse(path.read_text())
+        tree = parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.keyword) and node.arg in ("code", "kind", "error_type"):
                 found |= strings(node.value)

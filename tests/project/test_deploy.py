@@ -23,6 +23,7 @@ import yaml
 
 from gateway.config import Settings, load_settings
 from gateway.sim.profile import SimProfile, apply_overrides
+from tests.source import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -243,7 +244,7 @@ def nginx_directive(text: str, name: str) -> list[list[str]]:
 
 def gateway_setting(name: str) -> float | None:
     """A uvicorn option `tailguard serve` sets (gateway/cli/serve.py), None if left as default."""
-    tree = ast.parse((ROOT / "gateway" / "cli" / "serve.py").read_text(encoding="utf-8"))
+    tree = parse((ROOT / "gateway" / "cli" / "serve.py").read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):
             for key, value in zip(node.keys, node.values, strict=True):
@@ -768,7 +769,7 @@ def test_dashboard_metric_names_match_the_gateway() -> None:
     """Every metric family the dashboard may query is still defined, by that name, in gateway/."""
     defined: set[str] = set()
     for path in (ROOT / "gateway").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parse(path.read_text(encoding="utf-8"))):
             if (
                 isinstance(node, ast.Constant)
                 and isinstance(node.value, str)

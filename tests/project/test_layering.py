@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.source import parse
+
 PACKAGE = Path(__file__).resolve().parents[2] / "gateway"
 
 # Which gateway modules or rooms (a package stands for every module in it) may import a
@@ -88,7 +90,7 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 def imported_names(module: str) -> frozenset[str]:
     """Every absolute name `module` imports, gateway or not, as written."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(_sources()[module].read_text())):
+    for node in ast.walk(parse(_sources()[module].read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -230,7 +232,7 @@ def _adapters() -> list[str]:
     async `open` (the `Provider` interface's methods)."""
     found = []
     for module in _room("gateway.providers"):
-        for node in ast.walk(ast.parse(_sources()[module].read_text())):
+        for node in ast.walk(parse(_sources()[module].read_text())):
             if isinstance(node, ast.ClassDef):
                 methods = {
                     (type(f).__name__, f.name)
@@ -340,7 +342,7 @@ def test_modules_and_classes_stay_small(module: str) -> None:
     assert lines <= MODULE_LIMIT, f"{module}: {lines} lines"
     if lines > MODULE_GUIDE:
         warnings.warn(f"{module}: {lines} lines (guide: {MODULE_GUIDE})", stacklevel=1)
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse(source)):
         if isinstance(node, ast.ClassDef):
             length = (node.end_lineno or node.lineno) - node.lineno + 1
             assert length <= CLASS_LIMIT, f"{module}.{node.name}: {length} lines"
