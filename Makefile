@@ -27,7 +27,7 @@ TEST := $(VENV)/.test
 DEV  := $(VENV)/.dev
 endif
 
-.PHONY: run tour stats report probe test check format bench docs docs-serve install clean
+.PHONY: run tour stats report probe test test-fast check format bench docs docs-serve install clean
 
 $(VENV)/.base: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -66,6 +66,9 @@ probe: $(BASE)  ## TTFT and total time of a model through a running gateway
 
 test: $(TEST)  ## the whole suite, in parallel workers (most tests wait on sockets, not the CPU)
 	$(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+test-fast: $(TEST)  ## the suite without the tests marked slow, for the edit-test loop (CI runs `make test`)
+	$(BIN)/pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 check: $(DEV)  ## format, lint, types, and the docs (generated pages current, strict build)
 	$(BIN)/ruff format --check gateway tests bench tour.py

@@ -150,6 +150,7 @@ def _run(
 
 # Every operation gets its examples: the run grows with the routes (about a minute on its own).
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 async def test_every_operation_answers_as_documented(gateway: Gateway) -> None:
     """Generated requests, valid and invalid, to every operation get no 5xx and only answers
     the document describes: statuses, media types, headers and bodies (each streamed event)."""

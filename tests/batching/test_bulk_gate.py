@@ -542,6 +542,7 @@ def bulk_of(client: httpx.AsyncClient, url: str, tokens: int) -> asyncio.Task[ht
     return asyncio.create_task(client.post(url + "/v1/chat/completions", json=body, headers=BULK))
 
 
+@pytest.mark.slow
 async def test_a_priority_server_that_does_not_preempt_at_a_full_batch_gets_slots_kept_free() -> (
     None
 ):

@@ -150,6 +150,7 @@ async def test_claude_on_vertex_plain_text_from_the_anthropic_sdk(google: Google
 # --- tokens --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_token_expiring_mid_run_is_refreshed_before_it_fails(google: Google) -> None:
     """Tokens that live 4 s: requests keep flowing while the token is replaced ahead of its
     expiry (google-auth signs a new assertion each time, the endpoint verifies it); none
@@ -167,6 +168,7 @@ async def test_a_token_expiring_mid_run_is_refreshed_before_it_fails(google: Goo
     assert google.tokens.rejected == 0
 
 
+@pytest.mark.slow
 async def test_a_failing_refresh_leaves_the_valid_token_in_service(google: Google) -> None:
     """The token endpoint starts refusing: the current token serves on until it expires, then
     requests fail over with the reason; once the endpoint answers again, so does Vertex."""

@@ -30,7 +30,7 @@ from tests.latency.test_redis_topologies import (
 from tests.responses.test_store import redis_store, response
 from tests.responses.test_store_writes import until_readable
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # Redis failovers, each seconds long
 
 RESPONSES = 24  # made by replica A after the kill
 

@@ -97,6 +97,7 @@ async def burst(client: httpx.AsyncClient, url: str, model: str, n: int) -> list
     return list(await asyncio.gather(*(ask(client, url, model) for _ in range(n))))
 
 
+@pytest.mark.slow
 async def test_a_small_provider_is_kept_to_its_slots_once_its_knee_is_learned(
     upstreams: tuple[Counted, Counted],
 ) -> None:

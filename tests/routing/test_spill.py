@@ -267,6 +267,7 @@ class SlowSim(Sim):
         return app
 
 
+@pytest.mark.slow
 async def test_a_congested_fit_recovers_once_the_queue_reads_empty(
     client: httpx.AsyncClient,
 ) -> None:

@@ -16,6 +16,7 @@ from gateway.tools.bench import BatchingRow, Workload, recommend, run_batching_b
 from tests.conftest import Upstream
 
 
+@pytest.mark.slow
 def test_a_short_run_measures_every_workload_at_every_wait() -> None:
     """A real gateway and simulated upstream, a fraction of a second per cell: six rows that
     all served requests, a recommendation per workload, and JSON that round-trips."""

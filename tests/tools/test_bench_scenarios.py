@@ -3,6 +3,8 @@ run end to end (the table and the results file, not the targets: those are the b
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import itertools
 import json
@@ -151,6 +153,7 @@ def test_traffic_is_back_at_the_first_bin_after_which_every_bin_is_mostly_on_the
     assert recovery_time(scenario, timing, served([(t / 4, "fallback") for t in range(40)])) is None
 
 
+@pytest.mark.slow
 def test_a_short_scenario_run_prints_its_table_and_writes_its_results(tmp_path: Path) -> None:
     """Both configurations of `mixed`, 1 s warm-up + 3 s each, on real processes: one table row
     per configuration and prompt class, a target list, and results in which the plain proxy's
