@@ -3,8 +3,6 @@ run end to end (the table and the results file, not the targets: those are the b
 
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 import itertools
 import json
@@ -15,6 +13,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from bench._scenario_run import Planned, Scenario, Timing, recovery_time
 from bench._trace_data import TraceRow, describe, prompt_text, read_trace, synthetic_trace
