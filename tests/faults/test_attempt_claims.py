@@ -34,7 +34,7 @@ from gateway.routing import Budget, Candidate, Ledger, Plan, open_first
 from gateway.routing.guards import Guards
 from gateway.upstream import UpstreamStream
 from tests.conftest import run_gateway
-from tests.fakes.seam import FakeProvider
+from tests.fakes.seam import FakeProvider, OneTokenStream
 from tests.faults.conftest import chat, routed, settled
 from tests.faults.wire import DONE, Exchange, RawUpstream, sse_token
 from tests.timing import scaled
@@ -123,15 +123,12 @@ class Upstreams:
             self.all_closed.set()
 
 
-class ScriptedStream:
+class ScriptedStream(OneTokenStream):
+    """One content event then `[DONE]`, or the failure its stage names."""
+
     def __init__(self, stage: Stage, upstreams: Upstreams) -> None:
-        self.status = 200
-        self.streaming = True
-        self.upstream_request_id: str | None = None
+        super().__init__(on_close=upstreams.close)
         self._stage = stage
-        self._upstreams = upstreams
-        self._sent = False
-        self._closed = False
 
     async def read(self) -> list[Chunk] | None:
         if self._stage == "read_fails":
@@ -140,15 +137,10 @@ class ScriptedStream:
             return None
         if self._stage == "stall":
             await asyncio.Event().wait()
-        if self._sent:
-            return [Chunk(raw=b"data: [DONE]\n\n", done=True)]
-        self._sent = True
-        return [Chunk(raw=b'data: {"choices":[]}\n\n', content=True)]
+        return await super().read()
 
     async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._upstreams.close()
+        await super().aclose()
         if self._stage == "ok_close_fails":
             raise RuntimeError("the connection pool broke")
 

@@ -17,32 +17,12 @@ from gateway.admission.validate import parse_call
 from gateway.config import CooldownSpec, DeploymentSpec, OnTTFTMiss, PriorSpec, RetryBudgetSpec
 from gateway.errors import AllCandidatesFailedError, ProviderError
 from gateway.latency import MemoryLatencyStore, MetricStats, TargetStats
-from gateway.models import Chunk, UpstreamRequest
+from gateway.models import UpstreamRequest
 from gateway.routing import Budget, Candidate, Guards, Ledger, Opened, Plan, open_first, plan
 from gateway.routing.attempts import background_done
 from gateway.upstream import UpstreamStream
-from tests.fakes.seam import FakeProvider
+from tests.fakes.seam import FakeProvider, OneTokenStream
 from tests.timing import scaled
-
-
-class _Stream:
-    status: int = 200
-    streaming: bool = True
-    upstream_request_id: str | None = None
-
-    def __init__(self, delay_s: float) -> None:
-        self._delay_s = delay_s
-        self._sent = False
-
-    async def read(self) -> list[Chunk] | None:
-        if self._sent:
-            return [Chunk(raw=b"data: [DONE]\n\n", done=True)]
-        await asyncio.sleep(self._delay_s)  # the upstream's own TTFT, not synchronisation
-        self._sent = True
-        return [Chunk(raw=b'data: {"choices":[]}\n\n', content=True)]
-
-    async def aclose(self) -> None:
-        return None
 
 
 @dataclass
@@ -58,7 +38,7 @@ class Upstream(FakeProvider):
         self.opened += 1
         if self.fails:
             raise ProviderError("upstream returned 503", deployment=deployment)
-        return _Stream(self.ttft_s)
+        return OneTokenStream(self.ttft_s)
 
 
 def candidate(upstream: Upstream, prior_ms: float | None = None) -> Candidate:
