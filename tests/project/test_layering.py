@@ -181,9 +181,24 @@ def test_arrows_point_one_way() -> None:
     rules = {
         "gateway.providers": ("gateway.routing", "gateway.api"),
         "gateway.routing": ("gateway.api",),
-        "gateway.latency": ("gateway.api", "gateway.routing", "gateway.providers"),
+        # What is known of each deployment (statistics, vLLM load) is read by every room above.
+        "gateway.latency": (
+            "gateway.api",
+            "gateway.routing",
+            "gateway.providers",
+            "gateway.batching",
+            "gateway.admission",
+            "gateway.responses",
+            "gateway.runtime",
+        ),
         "gateway.redis": ("gateway.api", "gateway.routing", "gateway.providers", "gateway.latency"),
-        "gateway.telemetry": ("gateway.api", "gateway.routing", "gateway.providers"),
+        "gateway.telemetry": (
+            "gateway.api",
+            "gateway.routing",
+            "gateway.providers",
+            "gateway.batching",
+            "gateway.runtime",
+        ),
         # Batching wraps providers through the interface (`gateway.upstream`) alone.
         "gateway.batching": (
             "gateway.api",
@@ -229,8 +244,8 @@ def test_the_provider_interface_is_a_leaf() -> None:
 
 def _adapters() -> list[str]:
     """The modules of `providers/` defining a concrete adapter: a class with `supports` and an
-    async `open` (the `Provider` interface's methods)."""
-    found = []
+    async `open` (the `Provider` interface's methods), or one that subclasses such a class."""
+    classes: dict[str, tuple[str, set[str], bool]] = {}  # name: module, bases, has both methods
     for module in _room("gateway.providers"):
         for node in ast.walk(parse(_sources()[module].read_text())):
             if isinstance(node, ast.ClassDef):
@@ -239,17 +254,27 @@ def _adapters() -> list[str]:
                     for f in node.body
                     if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
                 }
-                if {("AsyncFunctionDef", "open"), ("FunctionDef", "supports")} <= methods:
-                    found.append(module)
-                    break
-    return found
+                bases = {b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in node.bases}
+                both = {("AsyncFunctionDef", "open"), ("FunctionDef", "supports")} <= methods
+                classes[node.name] = (module, bases, both)
+    adapters = {name for name, (_, _, both) in classes.items() if both}
+    while grown := {n for n, (_, bases, _) in classes.items() if bases & adapters} - adapters:
+        adapters |= grown
+    return sorted({classes[name][0] for name in adapters})
 
 
 def test_only_providers_import_a_concrete_adapter() -> None:
     """Concrete adapters sit behind the interface: outside `providers/`, code imports
     `gateway.upstream` (and `gateway.providers.open_providers` builds them), never an adapter."""
     adapters = _adapters()
-    assert {"gateway.providers.http", "gateway.providers.simulated"} <= set(adapters)
+    assert {
+        "gateway.providers.http",
+        "gateway.providers.openai",
+        "gateway.providers.vllm",
+        "gateway.providers.anthropic",
+        "gateway.providers.azure",
+        "gateway.providers.simulated",
+    } <= set(adapters)
     found = [
         f"{module} imports {name}"
         for module in _sources()
