@@ -17,9 +17,8 @@ import orjson
 import pytest
 import yaml
 
-from gateway.api import create_app
 from gateway.config import load_settings
-from tests.conftest import free_port, serve
+from tests.conftest import free_port, run_gateway
 from tests.timing import eventually, scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
@@ -54,8 +53,9 @@ def write(path: Path, doc: dict[str, Any] | str) -> None:
 
 @asynccontextmanager
 async def gateway_from(path: Path) -> AsyncIterator[str]:
-    async with serve(create_app(load_settings(path), config_path=path)) as url:
-        yield url
+    """A gateway serving the config file at `path`, reloading it when it changes."""
+    async with run_gateway(load_settings(path), config_path=path) as gw:
+        yield gw.url
 
 
 async def models(client: httpx.AsyncClient, url: str) -> set[str]:
