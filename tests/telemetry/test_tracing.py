@@ -32,7 +32,7 @@ from gateway.telemetry import semconv as sc
 from gateway.telemetry import tracing_from_env
 from tests.conftest import free_port, gateway_settings, run_gateway, serve
 from tests.fakes.otlp_receiver import ExportedSpan, OTLPReceiver, RecordingApp
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -546,16 +546,18 @@ async def test_spans_dropped_by_a_full_queue_are_counted(
         async with asyncio.timeout(scaled(3)):
             await receiver.wait_for(lambda r: r.held == 1)
         receiver.release()
-        async with asyncio.timeout(scaled(10)):
-            # Every one of the eight spans ends up exported or counted as dropped (the last
-            # request's spans end just after its last byte; the export thread drains the rest).
-            while True:
-                metrics = await client.get(gw.url + "/metrics")
-                families = {f.name: f for f in text_string_to_metric_families(metrics.text)}
-                dropped = families[sc.SPANS_DROPPED].samples[0].value
-                if dropped + len(receiver.spans) == 8:
-                    break
-                await asyncio.sleep(0.02)
+
+        async def accounted() -> tuple[float] | None:
+            metrics = await client.get(gw.url + "/metrics")
+            families = {f.name: f for f in text_string_to_metric_families(metrics.text)}
+            dropped = families[sc.SPANS_DROPPED].samples[0].value
+            return (dropped,) if dropped + len(receiver.spans) == 8 else None
+
+        # Every one of the eight spans ends up exported or counted as dropped (the last
+        # request's spans end just after its last byte; the export thread drains the rest).
+        (dropped,) = await eventually(
+            accounted, within_s=10, what="every span exported or counted as dropped"
+        )
     # At most four fit (a batch of two being exported, two queued): the rest were dropped; how
     # many more depends on when the export thread took its first batch.
     assert dropped >= 4
