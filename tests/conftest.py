@@ -8,9 +8,10 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
 import pytest
 import uvicorn
@@ -21,7 +22,7 @@ from gateway.latency import MemoryRecorder
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -35,34 +36,63 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(scaled(limit)), append=False)
 
 
+GUARDED_PROTOCOL: Final = "gateway.server.protocol:GuardedHttpToolsProtocol"  # `tailguard serve`'s
+
+
 @asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    """Run an ASGI app under uvicorn on an ephemeral loopback port; yield its base URL."""
+async def serving(
+    app: Any,
+    *,
+    port: int = 0,
+    http: str | type[asyncio.Protocol] = GUARDED_PROTOCOL,
+    sndbuf: int | None = None,
+    grace_s: float | None = None,
+    log_level: str = "warning",
+) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    """Run an ASGI app under uvicorn on loopback; yield its base URL and the server (a test can
+    stop it with `should_exit`, or look at its `server_state`).
+
+    `port` 0 is an ephemeral port; a given one can be served again once the last server on it
+    stopped. `http` is uvicorn's protocol class (default: the gateway's own, as `tailguard serve`
+    runs). With `sndbuf`, accepted connections have that send buffer (inherited from the
+    listening socket). `grace_s` is uvicorn's graceful-shutdown timeout (what `tailguard serve`
+    sets from `server.shutdown_grace_s`); without it, shutdown waits for every connection."""
     # IPPROTO_TCP explicitly: only then does asyncio set TCP_NODELAY on accepted connections
     # (without it, Nagle's algorithm stalls keep-alive requests by ~40 ms).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    sock.bind(("127.0.0.1", port))
     config = uvicorn.Config(
         app,
-        log_level="warning",
+        log_level=log_level,
         lifespan="on",
-        http="gateway.server.protocol:GuardedHttpToolsProtocol",  # as `tailguard serve` runs
+        http=http,
         access_log=False,
+        timeout_graceful_shutdown=grace_s,  # type: ignore[arg-type]  # any number of seconds
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        while not server.started:
-            if task.done():  # start-up failed: surface the reason
-                task.result()
-                raise RuntimeError("server stopped during start-up")
-            await asyncio.sleep(0.002)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        await eventually(
+            lambda: server.started or task.done(), within_s=60, what="start-up", every_s=0.002
+        )
+        if task.done():  # start-up failed: surface the reason
+            task.result()
+            raise RuntimeError("server stopped during start-up")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
     finally:
         server.should_exit = True
         await task
         sock.close()
+
+
+@asynccontextmanager
+async def serve(app: Any) -> AsyncIterator[str]:
+    """Run an ASGI app under uvicorn on an ephemeral loopback port; yield its base URL."""
+    async with serving(app) as (url, _):
+        yield url
 
 
 class Upstream:
@@ -93,20 +123,42 @@ def gateway_settings(
 
 
 class Gateway:
-    def __init__(self, url: str, recorder: MemoryRecorder) -> None:
+    """An in-process gateway served on loopback."""
+
+    def __init__(self, url: str, recorder: MemoryRecorder, server: uvicorn.Server) -> None:
         self.url = url
         self.base_url = url + "/v1"
-        self.recorder = recorder
+        self.port = int(url.rpartition(":")[2])
+        self.recorder = recorder  # every finished attempt, besides the gateway's own stores
+        self.server = server  # `server.should_exit = True` stops it
 
 
 GatewayFactory = Callable[[Settings], AbstractAsyncContextManager[Gateway]]
 
 
 @asynccontextmanager
-async def run_gateway(settings: Settings) -> AsyncIterator[Gateway]:
-    recorder = MemoryRecorder()
-    async with serve(create_app(settings, recorder=recorder)) as url:
-        yield Gateway(url, recorder)
+async def run_gateway(
+    settings: Settings,
+    *,
+    recorder: MemoryRecorder | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_path: Path | None = None,
+    port: int = 0,
+    http: str | type[asyncio.Protocol] = GUARDED_PROTOCOL,
+    sndbuf: int | None = None,
+    grace_s: float | None = None,
+    log_level: str = "warning",
+) -> AsyncIterator[Gateway]:
+    """The gateway app for `settings`, served in this event loop (see `serving` for the server's
+    options). `environ` holds the `OTEL_*` variables tracing is configured from (default: the
+    process environment); with `config_path` (the file `settings` came from) the config is
+    reloaded when it changes. Its lifespan, flushing the spans, is over on exit."""
+    recorder = MemoryRecorder() if recorder is None else recorder
+    app = create_app(settings, recorder=recorder, environ=environ, config_path=config_path)
+    async with serving(
+        app, port=port, http=http, sndbuf=sndbuf, grace_s=grace_s, log_level=log_level
+    ) as (url, server):
+        yield Gateway(url, recorder, server)
 
 
 def one_model(upstream_url: str, upstream_model: str = "m", **model: Any) -> Settings:

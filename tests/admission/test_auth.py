@@ -11,7 +11,6 @@ import base64
 import logging
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -27,7 +26,7 @@ from tests.api.test_proxy import Scripted
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
 from tests.fakes.anthropic_upstream import AnthropicFake
 from tests.telemetry.test_metrics import scrape
-from tests.timing import scaled
+from tests.timing import eventually
 
 CLIENT_KEY, CLIENT_HASH = new_key()
 OTHER_KEY, OTHER_HASH = new_key()
@@ -359,16 +358,16 @@ async def test_concurrent_requests_per_key_and_overall(
 async def until_not_busy(http: httpx.AsyncClient, base_url: str) -> httpx.Response:
     """The gateway frees a slot when the request's handler ends, just after the upstream saw
     the close: retry (bounded) across that instant."""
-    deadline = time.monotonic() + scaled(5)
-    while True:
+
+    async def not_busy() -> httpx.Response | None:
         reply = await http.post(
             base_url + "/chat/completions",
             json={"model": "m", "messages": CHAT},
             headers=bearer(CLIENT_KEY),
         )
-        if reply.status_code != 503 or time.monotonic() > deadline:
-            return reply
-        await asyncio.sleep(0.01)
+        return None if reply.status_code == 503 else reply
+
+    return await eventually(not_busy, within_s=5, what="a free slot", every_s=0.01)
 
 
 # --- the command line -----------------------------------------------------------------------------

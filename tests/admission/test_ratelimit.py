@@ -311,12 +311,12 @@ async def test_limiter_unit_with_real_redis(redis_server: RedisServer) -> None:
             await limiter.take(principal, 70)
         assert over.value.headers["retry-after"] in ("6", "7")  # type: ignore[attr-defined]
         limiter.settle(principal, -40)
-        async with asyncio.timeout(scaled(2)):
-            while True:  # settling is not awaited by the request: poll its effect
-                state = await client.hget("tg:rl:{p}:tokens", "l")
-                if state is not None and float(state) > 95:
-                    break
-                await asyncio.sleep(0.01)
+
+        async def settled() -> bool:  # settling is not awaited by the request: poll its effect
+            state = await client.hget("tg:rl:{p}:tokens", "l")
+            return state is not None and float(state) > 95
+
+        await eventually(settled, within_s=2, what="the settle to reach Redis", every_s=0.01)
     finally:
         await limiter.aclose()
 
@@ -337,12 +337,12 @@ async def test_settles_of_a_key_are_summed_into_one_round_trip(redis_server: Red
         before = await evalsha_calls(client)
         for _ in range(50):
             limiter.settle(principal, -20)  # 1,000 tokens back in all
-        async with asyncio.timeout(scaled(2)):
-            while True:
-                state = await client.hget("tg:rl:{s}:tokens", "l")
-                if state is not None and float(state) >= 6_000:
-                    break
-                await asyncio.sleep(0.01)
+
+        async def summed() -> bool:
+            state = await client.hget("tg:rl:{s}:tokens", "l")
+            return state is not None and float(state) >= 6_000
+
+        await eventually(summed, within_s=2, what="the settles to reach Redis", every_s=0.01)
         assert await evalsha_calls(client) - before == 1
         limiter.settle(principal, -1_000)
         await limiter.aclose()  # flushes the correction instead of dropping it

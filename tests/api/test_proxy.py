@@ -12,8 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.api import create_app
-from gateway.latency import Sample
+from gateway.latency import MemoryRecorder, Sample
 from tests.conftest import Gateway, Upstream, gateway_settings, one_model, run_gateway, serve
 from tests.fakes.asgi import lifespan, read_body
 from tests.timing import scaled
@@ -672,7 +671,7 @@ class ScriptedStream(Scripted):
         await send({"type": "http.response.body", "body": self.body})
 
 
-class FailingRecorder:
+class FailingRecorder(MemoryRecorder):
     """A recorder whose storage is broken: every sample raises (a fault inside the gateway)."""
 
     def record(self, sample: Sample) -> None:
@@ -695,9 +694,8 @@ async def test_unexpected_failure_is_answered_in_the_client_wire(
             {"up": {"type": "openai", "base_url": url + "/v1"}},
             [{"name": "m", "deployments": [{"provider": "up", "model": "m"}]}],
         )
-        app = create_app(settings, recorder=FailingRecorder())
-        async with serve(app) as gateway:
-            resp = await client.post(gateway + "/v1" + path, json=body)
+        async with run_gateway(settings, recorder=FailingRecorder()) as gw:
+            resp = await client.post(gw.base_url + path, json=body)
     assert resp.status_code == 500
     error = resp.json()
     if shape == "anthropic":

@@ -18,7 +18,7 @@ from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from tests.conftest import Upstream, gateway_settings, run_gateway, serve
-from tests.timing import scaled
+from tests.timing import eventually
 
 BULK = {"x-tailguard-priority": "bulk"}
 
@@ -95,11 +95,11 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 async def queued(client: httpx.AsyncClient, url: str, inputs: int) -> None:
     """Wait until `inputs` inputs are waiting in the batch queue (read from /metrics)."""
     line = f'tailguard_batch_queue_depth{{deployment="up/emb"}} {float(inputs)}'
-    async with asyncio.timeout(scaled(5)):
-        while True:  # the queue is only visible through /metrics: poll it
-            if line in (await client.get(url + "/metrics")).text:
-                return
-            await asyncio.sleep(0.01)
+
+    async def shown() -> bool:  # the queue is only visible through /metrics: poll it
+        return line in (await client.get(url + "/metrics")).text
+
+    await eventually(shown, within_s=5, what=f"{inputs} inputs queued", every_s=0.01)
 
 
 # --- when batches leave ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from gateway.sim.profile import SimProfile
 from tests.batching.test_batching import BULK
 from tests.conftest import gateway_settings, run_gateway
 from tests.routing.test_vllm_routing import MAX_BATCH, WATCHDOG_S, Sim, ask, served_well, sims, vllm
+from tests.timing import eventually
 
 
 class Clock:
@@ -323,16 +324,12 @@ async def test_a_queue_at_the_server_holds_bulk_back_until_it_drains() -> None:
 
 async def gate_shows(client: httpx.AsyncClient, url: str, *, limit: int, waiting: int) -> None:
     """Return once the gateway's metrics show this bulk limit and queue on `up/local`."""
-    want = {
+    await gateway_shows(
+        client,
+        url,
         f'tailguard_bulk_concurrency_limit{{deployment="up/local"}} {float(limit)}',
         f'tailguard_bulk_waiting{{deployment="up/local"}} {float(waiting)}',
-    }
-    async with asyncio.timeout(WATCHDOG_S):
-        while True:
-            page = (await client.get(url + "/metrics")).text
-            if want <= set(page.splitlines()):
-                return
-            await asyncio.sleep(0.01)  # a poll with a deadline, for a state
+    )
 
 
 # --- preemption of bulk work on a FIFO server, through the real gateway -------------------------
@@ -527,14 +524,15 @@ V1_PROFILE = SimProfile(
 
 
 async def gateway_shows(client: httpx.AsyncClient, url: str, *lines: str) -> None:
-    """Return once the gateway's metrics show every one of `lines`."""
+    """Return once the gateway's metrics show every one of `lines` (a state: polled)."""
     want = set(lines)
-    async with asyncio.timeout(WATCHDOG_S):
-        while True:
-            page = (await client.get(url + "/metrics")).text
-            if want <= set(page.splitlines()):
-                return
-            await asyncio.sleep(0.01)  # a poll with a deadline, for a state
+
+    async def shown() -> bool:
+        return want <= set((await client.get(url + "/metrics")).text.splitlines())
+
+    await eventually(
+        shown, within_s=WATCHDOG_S, what=f"/metrics showing {sorted(want)}", every_s=0.01
+    )
 
 
 def bulk_of(client: httpx.AsyncClient, url: str, tokens: int) -> asyncio.Task[httpx.Response]:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from gateway import __version__
 from gateway.config import PACKAGED_CONFIG, config_path, load_settings
 from tests.conftest import free_port
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
 REPO = Path(__file__).resolve().parents[2]
@@ -66,29 +65,37 @@ def test_the_default_is_looked_up_in_order(tmp_path: Path, monkeypatch: pytest.M
     assert config_path("mine.yaml") == Path("mine.yaml")
 
 
-def test_serve_from_any_directory_uses_the_packaged_defaults(tmp_path: Path) -> None:
-    """`cd /tmp && tailguard serve`: the embedded defaults are served, and the start-up lines
-    say which file was loaded."""
-    port = free_port()
+def serve_in(directory: Path, port: int) -> subprocess.Popen[str]:
+    """`tailguard serve` started in `directory`, with no `TAILGUARD_*` variable set."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TAILGUARD_")}
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [str(TAILGUARD), "serve", "--port", str(port)],
-        cwd=tmp_path,
+        cwd=directory,
         env=environ,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+async def test_serve_from_any_directory_uses_the_packaged_defaults(tmp_path: Path) -> None:
+    """`cd /tmp && tailguard serve`: the embedded defaults are served, and the start-up lines
+    say which file was loaded."""
+    port = free_port()
+    process = serve_in(tmp_path, port)
     try:
-        deadline = time.monotonic() + scaled(20)
-        while True:  # bounded wait for the port to answer
-            try:
-                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-                break
-            except httpx.TransportError:
-                assert process.poll() is None, process.communicate()[1]
-                assert time.monotonic() < deadline, "the gateway did not start"
-                time.sleep(0.05)
+        async with httpx.AsyncClient(timeout=1) as http:
+
+            async def answered() -> httpx.Response | None:  # bounded wait for the port to answer
+                try:
+                    return await http.get(f"http://127.0.0.1:{port}/v1/models")
+                except httpx.TransportError:
+                    assert process.poll() is None, process.communicate()[1]
+                    return None
+
+            models = await eventually(
+                answered, within_s=20, what="the gateway to start", every_s=0.05
+            )
         assert models.status_code == 200
         served = {m["id"] for m in models.json()["data"]}
         assert served == {m.name for m in load_settings(PACKAGED_CONFIG).models}

@@ -5,37 +5,21 @@ streams still open. None of them may slow, break or hang what is being served.
 from __future__ import annotations
 
 import asyncio
-import socket
 import statistics
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
 import pytest
-import uvicorn
 
-from gateway.api import create_app
-from gateway.config import Settings
-from gateway.latency import MemoryRecorder
-from tests.conftest import Upstream, free_port, gateway_settings, serve
+from tests.conftest import Upstream, free_port, gateway_settings, run_gateway
 from tests.faults.conftest import chat, routed, settled
 from tests.faults.wire import Exchange, RawUpstream
 from tests.runtime.test_operations import config, gateway_from, write
 from tests.timing import eventually, scaled
 
 # --- the trace collector -------------------------------------------------------------------------
-
-
-@asynccontextmanager
-async def traced(settings: Settings, environ: Mapping[str, str]) -> AsyncIterator[str]:
-    """The gateway with tracing configured from `environ` (not the process environment)."""
-    app = create_app(settings, recorder=MemoryRecorder(), environ=dict(environ))
-    async with serve(app) as url:
-        yield url
 
 
 async def served(client: httpx.AsyncClient, url: str, n: int) -> list[float]:
@@ -70,8 +54,8 @@ async def test_collector_down_costs_requests_nothing(
     requests are as fast as without tracing, the loop is never blocked by an export (the
     watchdog), and the gateway still shuts down promptly (the last flush is bounded)."""
     settings = routed(upstream.base_url, "m")
-    async with traced(settings, {}) as url:
-        untraced = await served(client, url, 10)
+    async with run_gateway(settings, environ={}) as gw:
+        untraced = await served(client, gw.url, 10)
     async with RawUpstream(black_hole) as hole:
         port = free_port() if collector == "closed-port" else int(hole.url.rsplit(":", 1)[1])
         environ = {
@@ -80,8 +64,8 @@ async def test_collector_down_costs_requests_nothing(
             "OTEL_BSP_SCHEDULE_DELAY": "20",  # export while the requests run
             "TAILGUARD_TRACES_TAIL_RATIO": "1",  # every trace: exports are attempted
         }
-        async with traced(settings, environ) as url:
-            traced_durations = await served(client, url, 10)
+        async with run_gateway(settings, environ=environ) as gw:
+            traced_durations = await served(client, gw.url, 10)
             # Exports were attempted (and failed) while the gateway was serving.
             if collector == "black-hole":
                 await hole.wait_for(lambda h: h.accepted >= 1)
@@ -160,35 +144,6 @@ async def test_invalid_config_reload_keeps_the_old_config_serving(
 # --- shutting down with streams open -------------------------------------------------------------
 
 
-@asynccontextmanager
-async def serve_until_stopped(
-    app: Any, grace_s: float
-) -> AsyncIterator[tuple[str, uvicorn.Server]]:
-    """Like `serve`, with uvicorn's graceful-shutdown timeout (what `tailguard serve` sets from
-    `server.shutdown_grace_s`), yielding the server so that a test can stop it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    config_ = uvicorn.Config(
-        app,
-        log_level="critical",  # the cancelled-tasks message is expected here
-        lifespan="on",
-        http="httptools",
-        access_log=False,
-        timeout_graceful_shutdown=grace_s,  # type: ignore[arg-type]  # any number of seconds
-    )
-    server = uvicorn.Server(config_)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        await eventually(lambda: server.started or task.done())
-        if task.done():
-            task.result()
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
-
-
 async def test_shutdown_with_open_streams_ends_them_cleanly(
     upstream: Upstream, client: httpx.AsyncClient
 ) -> None:
@@ -208,13 +163,14 @@ async def test_shutdown_with_open_streams_ends_them_cleanly(
         ],
         server={"access_log": False},
     )
-    app = create_app(settings, recorder=MemoryRecorder())
-    async with serve_until_stopped(app, grace_s=0.3) as (url, server):
+    # With uvicorn's graceful-shutdown timeout, as `tailguard serve` sets it from
+    # `server.shutdown_grace_s`; the cancelled-tasks message is expected here.
+    async with run_gateway(settings, grace_s=0.3, log_level="critical") as gw:
         streaming_started = asyncio.Event()
 
         async def long_stream() -> list[str]:
             async with client.stream(
-                "POST", url + "/v1/chat/completions", json=chat(stream=True)
+                "POST", gw.url + "/v1/chat/completions", json=chat(stream=True)
             ) as resp:
                 lines = []
                 async for line in resp.aiter_lines():
@@ -225,13 +181,13 @@ async def test_shutdown_with_open_streams_ends_them_cleanly(
 
         streaming = asyncio.create_task(long_stream())
         waiting = asyncio.create_task(
-            client.post(url + "/v1/chat/completions", json=chat("waiting", stream=True))
+            client.post(gw.url + "/v1/chat/completions", json=chat("waiting", stream=True))
         )
         async with asyncio.timeout(scaled(5)):
             await streaming_started.wait()
             await upstream.stats.wait_for(lambda s: s.requests == 2)
             stopping = time.perf_counter()
-            server.should_exit = True
+            gw.server.should_exit = True
             lines, refused = await asyncio.gather(streaming, waiting)
             answered = time.perf_counter() - stopping
             await upstream.stats.wait_for(lambda s: s.cancelled == 2 and s.open_streams == 0)

@@ -28,10 +28,9 @@ import pytest
 import uvicorn
 
 from gateway.admission.auth import hash_key
-from gateway.api import create_app
 from gateway.config import Settings
 from gateway.server.protocol import MAX_PIPELINED, GuardedHttpToolsProtocol
-from tests.conftest import gateway_settings
+from tests.conftest import gateway_settings, run_gateway
 from tests.faults.leaks import request_tasks, task_names
 from tests.timing import eventually
 
@@ -106,25 +105,8 @@ async def gateway(*, sndbuf: int | None = None) -> AsyncIterator[tuple[int, uvic
     and the server, whose `server_state.connections` are the live protocols. With `sndbuf`,
     accepted connections have that send buffer (inherited from the listening socket), so a
     client that does not read blocks the gateway's writes early."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if sndbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(
-        create_app(settings()), log_level="warning", lifespan="on", http=Recording
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        await eventually(lambda: server.started or task.done(), within_s=SETTLE_S, what="start-up")
-        if task.done():
-            task.result()
-        yield sock.getsockname()[1], server
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    async with run_gateway(settings(), http=Recording, sndbuf=sndbuf) as gw:
+        yield gw.port, gw.server
 
 
 def protocols(server: uvicorn.Server) -> list[GuardedHttpToolsProtocol]:

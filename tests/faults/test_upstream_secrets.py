@@ -18,9 +18,7 @@ from typing import Any, Final
 import orjson
 import pytest
 
-from gateway.api import create_app
-from gateway.latency import MemoryRecorder
-from tests.conftest import gateway_settings, serve
+from tests.conftest import gateway_settings, run_gateway, serve
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.faults.conftest import http_client
 from tests.faults.wire import DONE, Exchange, RawUpstream, sse_finish, sse_token
@@ -370,13 +368,12 @@ async def test_no_upstream_credential_reaches_client_log_span_or_store(
         http_client(timeout=scaled(10)) as client,
     ):
         environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
-        app = create_app(settings(upstream), recorder=MemoryRecorder(), environ=environ)
-        async with serve(app) as url:
+        async with run_gateway(settings(upstream), environ=environ) as gw:
             for provider in providers:
                 for scenario in SCENARIOS:
                     for stream in (True, False):
                         body = body_for(wire, f"{provider}-{scenario}", stream)
-                        resp = await client.post(url + path, json=body)
+                        resp = await client.post(gw.url + path, json=body)
                         text = f"{resp.status_code} {dict(resp.headers)} {resp.text}"
                         case = f"{wire} via {provider}, {scenario}, stream={stream}: {text}"
                         assert not leaks(text), case
@@ -386,14 +383,14 @@ async def test_no_upstream_credential_reaches_client_log_span_or_store(
                             assert "boom" in text, case  # the upstream's words still arrive
                         seen.append(case)
                         for response_id in response_ids(resp.text):
-                            stored = await client.get(f"{url}/v1/responses/{response_id}")
+                            stored = await client.get(f"{gw.url}/v1/responses/{response_id}")
                             assert not leaks(stored.text), (case, stored.text)
             counter, counted_by = COUNTERS.get(wire, ("", ()))
             for provider in counted_by:  # the upstream's counter fails, echoing the key
                 for scenario in ("rejected", "failing"):
                     body = body_for(wire, f"{provider}-{scenario}", False)
                     del body["stream"]
-                    resp = await client.post(url + counter, json=body)
+                    resp = await client.post(gw.url + counter, json=body)
                     text = f"{resp.status_code} {dict(resp.headers)} {resp.text}"
                     assert not leaks(text), text  # an estimate, or the upstream's refusal
         # The gateway has stopped: every access line is written and every span exported.

@@ -29,9 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gateway
 from gateway import numbers
-from gateway.api import create_app
 from gateway.config import Settings
-from gateway.latency import MemoryRecorder
 from gateway.latency.vllm import parse_metrics
 from gateway.numbers import MAX_TOKENS
 from tests.conftest import Gateway, Upstream, gateway_settings, run_gateway, serve
@@ -694,13 +692,12 @@ async def test_upstream_strings_in_spans_are_bounded() -> None:
 
     receiver = OTLPReceiver()
     async with RawUpstream(script) as up, serve(receiver) as collector:
-        app = create_app(
-            settings_for(up.url),
-            recorder=MemoryRecorder(),
-            # Every trace kept: the spans of the plain request are the ones checked.
-            environ={"OTEL_EXPORTER_OTLP_ENDPOINT": collector, "TAILGUARD_TRACES_TAIL_RATIO": "1"},
-        )
-        async with serve(app) as url, http_client(base_url=url + "/v1", timeout=scaled(10)) as http:
+        # Every trace kept: the spans of the plain request are the ones checked.
+        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
+        async with (
+            run_gateway(settings_for(up.url), environ=environ) as gw,
+            http_client(base_url=gw.base_url, timeout=scaled(10)) as http,
+        ):
             refused = await http.post(
                 "/chat/completions", json={"model": "solo", **CHAT, "user": "code"}
             )

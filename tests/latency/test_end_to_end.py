@@ -309,19 +309,28 @@ class GatewayProcess:
 
     async def healthy(self, within_s: float = 30.0) -> str:
         """Wait until /healthz answers (bounded); return the URL."""
-        deadline = time.monotonic() + scaled(within_s)
         async with httpx.AsyncClient(timeout=2) as http:
-            while True:
+
+            async def answered() -> bool:
+                if self.process.poll() is not None:
+                    pytest.fail(f"gateway {self.name} exited during start-up:\n{self.output()}")
                 try:
-                    if (await http.get(self.url + "/healthz")).status_code == 200:
-                        return self.url
+                    return (await http.get(self.url + "/healthz")).status_code == 200
                 except httpx.TransportError:
-                    pass
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.log.seek(0)
-                    output = self.log.read().decode(errors="replace")
-                    pytest.fail(f"gateway {self.name} did not start:\n{output}")
-                await asyncio.sleep(0.05)
+                    return False
+
+            await eventually(
+                answered,
+                within_s=within_s,
+                what=lambda: f"gateway {self.name} to start:\n{self.output()}",
+                every_s=0.05,
+            )
+        return self.url
+
+    def output(self) -> str:
+        """What the process has logged so far."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
 
 @asynccontextmanager
@@ -492,10 +501,11 @@ async def test_keys_written_after_redis_returns_still_expire(
             await poll_ready(client, gw.url, "degraded", "local-fallback", within_s=5)
             redis_server.start()
             await poll_ready(client, gw.url, "ok", "redis", within_s=15)
-            deadline = time.monotonic() + 5
-            while not await redis.keys("*{up/tiny}*"):  # the flush after the restart
-                assert time.monotonic() < deadline, "nothing was written after the restart"
-                await asyncio.sleep(0.05)
+
+            async def written() -> bool:  # the flush after the restart
+                return bool(await redis.keys("*{up/tiny}*"))
+
+            await eventually(written, within_s=5, what="a write after the restart", every_s=0.05)
             ttls = {str(key): await redis.ttl(key) for key in await redis.keys("*")}
             listed = {str(tag) for tag in await redis.zrange("tg:lat:index", 0, -1)}
     finally:

@@ -22,9 +22,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.api import create_app
 from gateway.config import build_settings
-from gateway.latency import MemoryRecorder
 from gateway.providers.bedrock_wire import (
     ConverseStreamTranslator,
     converse_to_message,
@@ -679,10 +677,10 @@ async def test_latency_ms_is_recorded_on_the_attempt_span(
     receiver = OTLPReceiver()
     async with serve(receiver) as otlp:
         environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
-        app = create_app(
-            config(url, MODEL + "@latency_ms=321"), recorder=MemoryRecorder(), environ=environ
-        )
-        async with serve(app) as gw, httpx.AsyncClient(base_url=gw, timeout=TIMEOUT_S) as http:
+        async with (
+            run_gateway(config(url, MODEL + "@latency_ms=321"), environ=environ) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=TIMEOUT_S) as http,
+        ):
             for stream in (False, True):
                 body = {
                     "model": "claude",

@@ -37,7 +37,7 @@ from tests.fakes.anthropic_upstream import AnthropicFake, count_words
 from tests.fakes.asgi import lifespan, read_body
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.telemetry.test_metrics import requests_counted, scrape_when
-from tests.telemetry.test_tracing import client_spans, traced_gateway
+from tests.telemetry.test_tracing import client_spans
 from tests.timing import scaled
 
 API_KEY = "sk-ant-api03-configured-upstream-key-0123456789"
@@ -540,7 +540,7 @@ async def test_cache_counts_on_the_attempt_span(upstreams: Upstreams) -> None:
     receiver = OTLPReceiver()
     async with serve(receiver) as collector:
         environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
-        async with traced_gateway(upstreams.settings, environ) as url, clients(url) as c:
+        async with run_gateway(upstreams.settings, environ=environ) as gw, clients(gw.url) as c:
             await say(c, "claude", "req-span-1")
             await say(c, "gpt-reads", "req-span-2")
         async with asyncio.timeout(scaled(5)):

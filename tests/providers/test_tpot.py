@@ -14,7 +14,6 @@ in one write.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -29,7 +28,7 @@ from gateway.providers.decode import OpenAIStreamDecoder
 from gateway.scrubbing import Scrubber
 from tests.conftest import Gateway, gateway_settings, run_gateway, serve
 from tests.fakes.asgi import lifespan, read_body
-from tests.timing import scaled
+from tests.timing import eventually
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -339,14 +338,16 @@ async def test_admin_latency_shows_per_token_tpot_and_output_length(setup: Setup
     the text, for a stream with several tokens per event and no usage."""
     sample = await stream(setup, "chat", "openai")
     assert sample.tpot_s is not None
-    deadline = time.monotonic() + scaled(10.0)
-    while True:  # the snapshot is refreshed by a periodic task
-        body = (await setup.http.get("/admin/latency")).json()
-        shown = body["deployments"].get("chat/m")
-        if shown is not None and shown["tpot_ms"]["count"] == 1:
-            break
-        assert time.monotonic() < deadline, body
-        await asyncio.sleep(0.05)
+
+    async def refreshed() -> dict[str, Any] | None:  # the snapshot: a periodic task renews it
+        shown: dict[str, Any] | None = (
+            (await setup.http.get("/admin/latency")).json()["deployments"].get("chat/m")
+        )
+        return shown if shown is not None and shown["tpot_ms"]["count"] == 1 else None
+
+    shown = await eventually(
+        refreshed, within_s=10, what="/admin/latency to show the stream's TPOT", every_s=0.05
+    )
     assert shown["output_tokens_mean"] == TOKENS
     assert shown["tpot_ms"]["p50"] == pytest.approx(sample.tpot_s * 1000, rel=0.05)  # sketch
 

@@ -5,9 +5,7 @@ keys, and the store's limits."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +16,7 @@ import pytest
 
 from gateway.config import PACKAGED_CONFIG, load_settings
 from tests.conftest import Gateway, RedisServer, gateway_settings, run_gateway
-from tests.timing import scaled
+from tests.timing import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -224,18 +222,21 @@ async def test_replicas_sharing_redis_see_each_others_changes(redis_server: Redi
             await a.post("/v1/conversations", json={"items": [{"role": "user", "content": "1"}]})
         ).json()["id"]
         assert (await a.get(f"/v1/conversations/{cid}/items")).status_code == 200
-        deadline = time.monotonic() + scaled(20)
-        while (seen := await b.get(f"/v1/conversations/{cid}")).status_code == 503:
-            assert time.monotonic() < deadline, "the conversation was never written"
-            await asyncio.sleep(0.02)  # A's write is off the request path
+
+        async def read_by_b() -> httpx.Response | None:  # A's write is off the request path
+            seen = await b.get(f"/v1/conversations/{cid}")
+            return None if seen.status_code == 503 else seen
+
+        seen = await eventually(read_by_b, within_s=20, what="the conversation to be written")
         assert seen.status_code == 200, seen.text
         turn = await b.post(
             "/v1/responses", json={"model": "chat", "input": "2", "conversation": cid}
         )
         assert turn.status_code == 200, turn.text
-        deadline = time.monotonic() + scaled(20)
-        while len((await a.get(f"/v1/conversations/{cid}/items")).json()["data"]) != 3:
-            assert time.monotonic() < deadline, "A never saw B's turn"
-            await asyncio.sleep(0.02)  # B's write is off the request path
+
+        async def three_items() -> bool:  # B's write is off the request path
+            return len((await a.get(f"/v1/conversations/{cid}/items")).json()["data"]) == 3
+
+        await eventually(three_items, within_s=20, what="A to see B's turn")
         assert (await b.delete(f"/v1/conversations/{cid}")).status_code == 200
         assert (await a.get(f"/v1/conversations/{cid}")).status_code == 404

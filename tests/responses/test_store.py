@@ -28,6 +28,7 @@ from gateway.responses.store import (
 )
 from gateway.runtime import Runtime
 from tests.conftest import RedisServer, free_port
+from tests.timing import eventually
 
 NOW = 1_750_000_000
 
@@ -250,10 +251,11 @@ async def test_redis_expires_a_response_ttl_s_after_its_creation(
         await one.flush()
         assert one.stats()["writes"] == 1
         key = KEY_PREFIX + "resp_1"
-        deadline = time.monotonic() + 5
-        while await raw.exists(key):  # Redis's own expiry, polled within a bound
-            assert time.monotonic() < deadline, "the key did not expire"
-            await asyncio.sleep(0.05)
+
+        async def expired() -> bool:  # Redis's own expiry, polled within a bound
+            return not await raw.exists(key)
+
+        await eventually(expired, within_s=5, what="the key to expire", every_s=0.05)
         assert await fresh.get("resp_1", "team-a") is None
     finally:
         await one.aclose()
@@ -378,14 +380,16 @@ async def test_memory_serves_while_redis_is_down_and_reads_recover(
         with pytest.raises(StoreUnavailableError):
             await store.get("resp_other", "team-a")
         redis_server.start()
-        deadline = time.monotonic() + 15
-        while True:  # the breaker's jittered backoff decides when Redis is asked again
+
+        async def answered() -> bool:
             try:
                 assert await store.get("resp_other", "team-a") is None
-                break
             except StoreUnavailableError:
-                assert time.monotonic() < deadline, "reads did not recover"
-                await asyncio.sleep(0.05)
+                return False
+            return True
+
+        # The breaker's jittered backoff decides when Redis is asked again.
+        await eventually(answered, within_s=15, what="reads to recover", every_s=0.05)
         assert store.health()["state"] == "ok"
     finally:
         await store.aclose()

@@ -5,9 +5,7 @@ name; `/readyz`, `/admin/latency` and `/metrics` show the store's state and its 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
 from typing import Any
 
 import httpx
@@ -16,7 +14,7 @@ from redis.asyncio import Redis
 
 from gateway.responses.store import KEY_PREFIX
 from tests.conftest import RedisServer, free_port, gateway_settings, run_gateway
-from tests.timing import scaled
+from tests.timing import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,10 +137,11 @@ async def test_a_replacement_key_with_the_same_name_cannot_read_the_old_keys_res
         Redis.from_url(redis_server.url) as raw,
     ):
         rid = (await create(a)).json()["id"]
-        deadline = time.monotonic() + scaled(20)
-        while not await raw.exists(KEY_PREFIX + rid):  # the write is off the request path
-            assert time.monotonic() < deadline, "the response was never written"
-            await asyncio.sleep(0.02)
+
+        async def written() -> bool:  # the write is off the request path
+            return bool(await raw.exists(KEY_PREFIX + rid))
+
+        await eventually(written, within_s=20, what="the response to be written")
         assert (await b.get(f"/v1/responses/{rid}")).status_code == 404
         continued = await b.post(
             "/v1/responses", json={"model": "chat", "input": "?", "previous_response_id": rid}
@@ -170,10 +169,11 @@ async def test_readyz_admin_and_metrics_show_a_degraded_store() -> None:
         httpx.AsyncClient(base_url=gw.url) as http,
     ):
         await create(http)
-        deadline = time.monotonic() + scaled(20)
-        while (await _store_state(http))["state"] != "degraded":  # the writer's first try
-            assert time.monotonic() < deadline, "the failed write never showed"
-            await asyncio.sleep(0.05)
+
+        async def degraded() -> bool:  # the writer's first try
+            return bool((await _store_state(http))["state"] == "degraded")
+
+        await eventually(degraded, within_s=20, what="the failed write to show", every_s=0.05)
         ready = await http.get("/readyz")
         assert ready.status_code == 200 and ready.json()["status"] == "ready"
         state = ready.json()["responses_store"]

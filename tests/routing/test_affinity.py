@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -18,9 +17,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.api import create_app
 from gateway.config import AffinitySpec, DeploymentSpec
-from gateway.latency import BandStats, MemoryRecorder, MetricStats, TargetStats
+from gateway.latency import BandStats, MetricStats, TargetStats
 from gateway.latency.vllm import Histogram, ServerLoad
 from gateway.models import Call
 from gateway.routing.affinity import (
@@ -36,7 +34,7 @@ from gateway.routing.plan import Candidate, Plan
 from gateway.sim.profile import SimProfile
 from gateway.sim.scheduler import SimStats
 from gateway.telemetry import semconv as sc
-from tests.conftest import gateway_settings, serve
+from tests.conftest import gateway_settings, run_gateway, serve
 from tests.fakes.otlp_receiver import OTLPReceiver
 from tests.routing.test_plan import StubProvider
 from tests.routing.test_vllm_routing import WATCHDOG_S, Sim, sims, vllm
@@ -316,13 +314,6 @@ def three(servers: list[Sim], upstream: str = "local", **affinity: Any) -> Any:
     )
 
 
-@asynccontextmanager
-async def gateway(settings: Any, environ: dict[str, str] | None = None) -> AsyncIterator[str]:
-    app = create_app(settings, recorder=MemoryRecorder(), environ=environ or {})
-    async with serve(app) as url:
-        yield url
-
-
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)
@@ -382,10 +373,10 @@ async def test_a_conversation_stays_on_the_server_that_holds_its_history(
     receiver = OTLPReceiver()
     async with serve(receiver) as otlp, sims(CACHED, CACHED, CACHED) as servers:
         environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp, **TRACED}
-        async with gateway(three(servers), environ) as url:
+        async with run_gateway(three(servers), environ=environ) as gw:
             await asyncio.gather(*(s.read_by_gateway() for s in servers))
-            seen = await converse(client, url, 4)
-            counts = await decisions(client, url)
+            seen = await converse(client, gw.url, 4)
+            counts = await decisions(client, gw.url)
         pages = [await s.page(client) for s in servers]
     assert [a for _, a in seen] == ["miss", "hit", "hit", "hit"]
     assert {d for d, _ in seen} == {seen[0][0]}
@@ -402,11 +393,11 @@ async def test_the_off_switch(client: httpx.AsyncClient) -> None:
     """`routing.affinity.enabled: false`: no decision in `server-timing` or the counter."""
     async with (
         sims(CACHED, CACHED, CACHED) as servers,
-        gateway(three(servers, enabled=False)) as url,
+        run_gateway(three(servers, enabled=False), environ={}) as gw,
     ):
         await asyncio.gather(*(s.read_by_gateway() for s in servers))
-        seen = await converse(client, url, 2)
-        counts = await decisions(client, url)
+        seen = await converse(client, gw.url, 2)
+        counts = await decisions(client, gw.url)
     assert [a for _, a in seen] == [None, None]
     assert counts == {}
 
@@ -440,17 +431,17 @@ async def test_a_hot_prefix_spreads_once_its_server_is_over_the_bound(
     go elsewhere (`bounded`); with a bound of 10 it takes all six."""
     async with (
         sims(CACHED, CACHED, CACHED) as servers,
-        gateway(three(servers, HELD, load_bound=bound)) as url,
+        run_gateway(three(servers, HELD, load_bound=bound), environ={}) as gw,
     ):
         await asyncio.gather(*(s.read_by_gateway() for s in servers))
         body = {"model": "m", "stream": True, "messages": turns(2)}
         tasks = []
         try:
             for n in range(1, 7):
-                post = client.post(url + "/v1/chat/completions", json=body)
+                post = client.post(gw.url + "/v1/chat/completions", json=body)
                 tasks.append(asyncio.create_task(post))
                 await running(servers, n)
-            counts = await decisions(client, url)
+            counts = await decisions(client, gw.url)
         finally:
             for task in tasks:
                 task.cancel()

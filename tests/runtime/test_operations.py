@@ -17,9 +17,8 @@ import orjson
 import pytest
 import yaml
 
-from gateway.api import create_app
 from gateway.config import load_settings
-from tests.conftest import free_port, serve
+from tests.conftest import free_port, run_gateway
 from tests.timing import eventually, scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
@@ -54,8 +53,9 @@ def write(path: Path, doc: dict[str, Any] | str) -> None:
 
 @asynccontextmanager
 async def gateway_from(path: Path) -> AsyncIterator[str]:
-    async with serve(create_app(load_settings(path), config_path=path)) as url:
-        yield url
+    """A gateway serving the config file at `path`, reloading it when it changes."""
+    async with run_gateway(load_settings(path), config_path=path) as gw:
+        yield gw.url
 
 
 async def models(client: httpx.AsyncClient, url: str) -> set[str]:
@@ -120,25 +120,16 @@ async def test_invalid_file_is_rejected_and_the_old_config_kept(
 
 
 @contextmanager
-def tailguard_serve(
+def tailguard_process(
     path: Path, port: int, *, stdout: int = subprocess.DEVNULL
 ) -> Iterator[subprocess.Popen[bytes]]:
+    """`tailguard serve` of the config at `path` on `port`, killed and reaped at the end."""
     process = subprocess.Popen(
         [str(TAILGUARD), "serve", "--config", str(path), "--port", str(port)],
         stdout=stdout,
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + scaled(20)
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
         yield process
     finally:
         if process.poll() is None:
@@ -149,19 +140,39 @@ def tailguard_serve(
                 pipe.close()
 
 
+@asynccontextmanager
+async def tailguard_serve(
+    path: Path, port: int, *, stdout: int = subprocess.DEVNULL
+) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """`tailguard_process`, once it answers /healthz."""
+    with tailguard_process(path, port, stdout=stdout) as process:
+        async with httpx.AsyncClient(timeout=1) as http:
+
+            async def healthy() -> bool:
+                assert process.poll() is None, (
+                    process.stderr.read().decode() if process.stderr else ""
+                )
+                try:
+                    return (await http.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await eventually(healthy, within_s=20, what="the gateway to start", every_s=0.05)
+        yield process
+
+
 async def test_sighup_reloads_the_config(tmp_path: Path) -> None:
     """With file watching off, a changed file is served only once the process gets SIGHUP."""
     path = tmp_path / "gateway.yaml"
     port = free_port()
     write(path, config("a", reload_on_change=False))
     url = f"http://127.0.0.1:{port}"
-    with tailguard_serve(path, port) as process:
-        async with httpx.AsyncClient(timeout=10) as client:
-            write(path, config("a", "b", reload_on_change=False))
-            assert await models(client, url) == {"a"}  # not watched: nothing happens yet
-            process.send_signal(signal.SIGHUP)
-            await eventually(lambda: _has(client, url, {"a", "b"}))
-            assert process.poll() is None  # SIGHUP did not end the process
+    async with tailguard_serve(path, port) as process, httpx.AsyncClient(timeout=10) as client:
+        write(path, config("a", "b", reload_on_change=False))
+        assert await models(client, url) == {"a"}  # not watched: nothing happens yet
+        process.send_signal(signal.SIGHUP)
+        await eventually(lambda: _has(client, url, {"a", "b"}))
+        assert process.poll() is None  # SIGHUP did not end the process
 
 
 async def test_shutdown_lets_streams_finish_then_ends_them_with_an_error_event(
@@ -191,7 +202,7 @@ async def test_shutdown_lets_streams_finish_then_ends_them_with_an_error_event(
                     started.set()
             return lines
 
-    with tailguard_serve(path, port) as process:
+    async with tailguard_serve(path, port) as process:
         async with httpx.AsyncClient(timeout=20) as client:
             short_started, long_started = asyncio.Event(), asyncio.Event()
             short = asyncio.create_task(stream(client, "short", short_started))

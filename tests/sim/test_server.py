@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import math
-import socket
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +15,6 @@ import httpx
 import openai
 import orjson
 import pytest
-import uvicorn
 from pydantic import ValidationError
 
 from gateway.latency.vllm import parse_metrics
@@ -24,6 +22,7 @@ from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile, apply_overrides
 from gateway.sim.server import SimConfigError, create_sim_app, load_profiles
 from gateway.sim.wire import SimConnectionReset
+from tests.conftest import serving
 from tests.sim_server import until
 from tests.timing import scaled
 
@@ -32,24 +31,10 @@ WATCHDOG_S = 10.0  # only ever reached when a test is broken; conditions are awa
 
 @asynccontextmanager
 async def serve(engine: SimEngine) -> AsyncIterator[str]:
-    """Run the sim under uvicorn on an ephemeral loopback port; yield its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(
-        create_sim_app(engine), log_level="warning", lifespan="on", timeout_graceful_shutdown=5
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()  # a failed start raises here instead of spinning
-            await asyncio.sleep(0.005)  # uvicorn exposes only a flag
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    """Run the sim under uvicorn (its default protocol) on an ephemeral loopback port, with a
+    graceful-shutdown timeout; yield its base URL."""
+    async with serving(create_sim_app(engine), http="auto", grace_s=5) as (url, _):
+        yield url
 
 
 @asynccontextmanager

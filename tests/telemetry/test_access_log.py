@@ -173,7 +173,7 @@ async def test_a_serving_process_writes_the_lines_to_stdout(tmp_path: Any) -> No
     path = tmp_path / "gateway.yaml"
     port = free_port()
     write(path, config("m", reload_on_change=False))
-    with tailguard_serve(path, port, stdout=subprocess.PIPE) as process:
+    async with tailguard_serve(path, port, stdout=subprocess.PIPE) as process:
         async with httpx.AsyncClient(timeout=10) as http:
             ids = []
             for _ in range(3):

@@ -8,9 +8,7 @@ Uses the Debian `chromium` binary (`.ci/run` installs it), never a browser Playw
 
 from __future__ import annotations
 
-import asyncio
 import os
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,7 +16,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import uvicorn
 from playwright.async_api import (
     Browser,
     ConsoleMessage,
@@ -29,7 +26,6 @@ from playwright.async_api import (
     expect,
 )
 
-from gateway.api import create_app
 from gateway.config import Settings
 from tests.conftest import Upstream, gateway_settings, run_gateway
 
@@ -310,31 +306,6 @@ async def test_dashboard_shows_what_fallback_models_served(
 # --- a gateway restart ---------------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def gateway_on_port(settings: Settings, port: int) -> AsyncIterator[str]:
-    """A gateway on a given loopback port (tests/conftest.py's `serve` always picks a new one),
-    so that a restart comes back at the origin the page was loaded from."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    config = uvicorn.Config(
-        create_app(settings), log_level="warning", lifespan="on", http="httptools"
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError("the gateway stopped during start-up")
-            await asyncio.sleep(0.005)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
-
-
 # Records every requests-per-second figure the page shows from now on, in `window.rpsShown`.
 RECORD_RPS = """
     (selector) => {
@@ -358,9 +329,8 @@ async def test_dashboard_survives_a_gateway_restart(upstream: Upstream) -> None:
         connection = page.locator('[data-field="connection"]')
         requests = page.locator(f'[data-deployment="{deployment}"] [data-field="requests"]')
 
-        async with gateway_on_port(settings, 0) as url:
-            port = urlsplit(url).port
-            assert port is not None
+        async with run_gateway(settings) as gw:
+            url, port = gw.url, gw.port
             await page.goto(url + "/dashboard")
             await expect(connection).to_have_text("Live")
             await stream_chat(client, url, "chat", 5)
@@ -373,8 +343,9 @@ async def test_dashboard_survives_a_gateway_restart(upstream: Upstream) -> None:
         await expect(requests).to_have_text("5")  # the last data stays up, marked stale
 
         await page.evaluate(RECORD_RPS, rps)
-        async with gateway_on_port(settings, port) as again:
-            assert again == url
+        # Served again on the same port: back at the origin the page was loaded from.
+        async with run_gateway(settings, port=port) as again:
+            assert again.url == url
             await expect(connection).to_have_text("Live", timeout=WAIT_MS)
             await expect(requests).to_have_text("0")  # the new process's empty window
             await stream_chat(client, url, "chat", 3)

@@ -7,7 +7,6 @@ polls the exposition (with a deadline) until the traffic it sent is all counted.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from prometheus_client.samples import Sample
 from gateway.telemetry import semconv as sc
 from tests.conftest import Upstream, one_model, run_gateway
 from tests.telemetry.test_tracing import Sim, sim, two
-from tests.timing import scaled
+from tests.timing import eventually
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 OPS = {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "vllm", "gen_ai_request_model": "m"}
@@ -61,12 +60,12 @@ async def scrape_when(
     client: httpx.AsyncClient, url: str, ready: Callable[[Scrape], bool]
 ) -> Scrape:
     """Scrape until `ready` holds (the requests sent are all counted), within 3 s."""
-    async with asyncio.timeout(scaled(3)):
-        while True:
-            found = await scrape(client, url)
-            if ready(found):
-                return found
-            await asyncio.sleep(0.005)
+
+    async def scraped() -> Scrape | None:
+        found = await scrape(client, url)
+        return found if ready(found) else None
+
+    return await eventually(scraped, within_s=3, what="the scrape to be ready", every_s=0.005)
 
 
 def requests_counted(n: int) -> Callable[[Scrape], bool]:

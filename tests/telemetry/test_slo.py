@@ -17,11 +17,10 @@ import orjson
 import pytest
 from playwright.async_api import expect
 
-from gateway.api import create_app
 from gateway.api.openapi import build_openapi
-from gateway.latency import BYTES_PER_TOKEN, MemoryRecorder
+from gateway.latency import BYTES_PER_TOKEN
 from gateway.telemetry import semconv as sc
-from tests.conftest import Upstream, gateway_settings, run_gateway, serve
+from tests.conftest import Upstream, gateway_settings, run_gateway
 from tests.latency.test_end_to_end import poll_latency, tailguard
 from tests.routing.test_end_to_end import fallback, primary, routed
 from tests.telemetry.test_access_log import lines
@@ -107,13 +106,12 @@ async def test_attainment_counts_the_requests_that_missed_their_ttft_budget(
     """5 of 9 streams meet their TTFT budget (the alias header counts, the gateway's header wins
     over it): /admin/latency's attainment per model and deployment, the /metrics counters, each
     request's span and its access line all say so; every one met the total budget."""
-    app = create_app(paced(upstream), recorder=MemoryRecorder(), environ=collector.env)
-    async with serve(app) as url:
+    async with run_gateway(paced(upstream), environ=collector.env) as gw:
         for headers in MIXED:
-            resp = await stream(client, url, headers)
+            resp = await stream(client, gw.url, headers)
             assert resp.status_code == 200
-        body = await poll_latency(client, url, judged("models", "m", "ttft", len(MIXED)))
-        metrics = await scrape(client, url)
+        body = await poll_latency(client, gw.url, judged("models", "m", "ttft", len(MIXED)))
+        metrics = await scrape(client, gw.url)
     for target in (body["models"]["m"], body["deployments"][DEPLOYMENT]):
         slo = target["slo"]
         assert slo["ttft"] == {"met": 5, "judged": 9, "attainment": round(5 / 9, 4)}

@@ -24,7 +24,7 @@ from gateway.models import AttemptEnd, Usage
 from gateway.telemetry import semconv as sc
 from gateway.telemetry import tracing_from_env
 from gateway.telemetry.tail import TailSampler, TailTrace
-from tests.conftest import free_port, gateway_settings
+from tests.conftest import free_port, gateway_settings, run_gateway
 from tests.telemetry.test_tracing import (
     CHAT,
     Collector,
@@ -34,7 +34,6 @@ from tests.telemetry.test_tracing import (
     fallback,
     primary,
     stream_chat,
-    traced_gateway,
     two,
 )
 from tests.timing import scaled
@@ -112,16 +111,16 @@ async def test_only_remarkable_traces_are_exported_with_all_their_spans(
     failed-over request's are exported whole (SERVER span and every attempt's CLIENT span);
     `/metrics` counts each decision by reason."""
     environ = {**collector.env, **FAST_EXPORT, "TAILGUARD_TRACES_TAIL_RATIO": "0"}
-    async with traced_gateway(settings_for(primary, fallback), environ) as url:
-        plain = await chat(client, url, "plain")
-        broken = await chat(client, url, "broken")
-        failover = await chat(client, url, "stalls", stream=True)
+    async with run_gateway(settings_for(primary, fallback), environ=environ) as gw:
+        plain = await chat(client, gw.url, "plain")
+        broken = await chat(client, gw.url, "broken")
+        failover = await chat(client, gw.url, "stalls", stream=True)
         assert (plain.status_code, broken.status_code, failover.status_code) == (200, 502, 200)
         assert failover.headers["x-tailguard-route"] == "ttft_failover"
         last = failover.headers["x-request-id"]
         async with asyncio.timeout(scaled(5)):
             await collector.receiver.wait_for(lambda _: exported(collector, last))
-        metrics = (await client.get(url + "/metrics")).text
+        metrics = (await client.get(gw.url + "/metrics")).text
     servers = servers_by_request(collector)
     assert set(servers) == {broken.headers["x-request-id"], last}
     error_server, failover_server = servers[broken.headers["x-request-id"]], servers[last]
@@ -160,8 +159,8 @@ async def test_a_hedged_request_is_exported_whole(
         hedge_max_fraction=1.0,
     )
     environ = {**collector.env, **FAST_EXPORT, "TAILGUARD_TRACES_TAIL_RATIO": "0"}
-    async with traced_gateway(settings, environ) as url:
-        resp, _ = await stream_chat(client, url)
+    async with run_gateway(settings, environ=environ) as gw:
+        resp, _ = await stream_chat(client, gw.url)
         assert resp.headers["x-tailguard-route"] == "hedge"
         request_id = resp.headers["x-request-id"]
 
@@ -172,7 +171,7 @@ async def test_a_hedged_request_is_exported_whole(
 
         async with asyncio.timeout(scaled(5)):
             await collector.receiver.wait_for(lambda _: len(attempts()) == 2)
-        metrics = (await client.get(url + "/metrics")).text
+        metrics = (await client.get(gw.url + "/metrics")).text
     assert sorted(s.attributes[sc.TG_ATTEMPT_OUTCOME] for s in attempts()) == ["hedge_lost", "won"]
     assert decisions(metrics)[("exported", "hedge")] == 1
 
@@ -191,17 +190,17 @@ async def test_a_request_slower_than_its_deployments_p99_is_exported(
     )
     environ = {**collector.env, **FAST_EXPORT, "TAILGUARD_TRACES_TAIL_RATIO": "0"}
     quick = {"model": "m", "max_tokens": 1, **CHAT}
-    async with traced_gateway(settings, environ) as url, asyncio.timeout(scaled(20)):
+    async with run_gateway(settings, environ=environ) as gw, asyncio.timeout(scaled(20)):
         while True:  # until the snapshot (refreshed every second) trusts the deployment
-            response = await client.post(url + "/v1/chat/completions", json=quick)
+            response = await client.post(gw.url + "/v1/chat/completions", json=quick)
             assert response.status_code == 200
-            view = (await client.get(url + "/admin/latency")).json()
+            view = (await client.get(gw.url + "/admin/latency")).json()
             if (view["deployments"].get(deployment) or {}).get("trusted"):
                 break
-        slow = await client.post(url + "/v1/chat/completions", json={**quick, "max_tokens": 60})
+        slow = await client.post(gw.url + "/v1/chat/completions", json={**quick, "max_tokens": 60})
         request_id = slow.headers["x-request-id"]
         await collector.receiver.wait_for(lambda _: exported(collector, request_id))
-        metrics = (await client.get(url + "/metrics")).text
+        metrics = (await client.get(gw.url + "/metrics")).text
     servers = servers_by_request(collector)
     assert servers[request_id].attributes[sc.TG_SLOW] is True
     # A quick request may itself land past a p99 of a few samples on a busy machine: exported
@@ -218,9 +217,9 @@ async def test_share_of_one_exports_every_trace(
 ) -> None:
     """With a share of 1, plain requests are all exported, each with its attempt's span."""
     environ = {**collector.env, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
-    async with traced_gateway(settings_for(primary, fallback), environ) as url:
-        ids = [(await chat(client, url, "plain")).headers["x-request-id"] for _ in range(3)]
-        metrics = (await client.get(url + "/metrics")).text
+    async with run_gateway(settings_for(primary, fallback), environ=environ) as gw:
+        ids = [(await chat(client, gw.url, "plain")).headers["x-request-id"] for _ in range(3)]
+        metrics = (await client.get(gw.url + "/metrics")).text
     assert set(servers_by_request(collector)) == set(ids)
     assert len(collector.receiver.of_kind("CLIENT")) == 3
     # The last request's span may end just after its response: the counter has 2 or 3.
@@ -235,13 +234,13 @@ async def test_a_sampled_client_traceparent_is_always_exported(
     environ = {**collector.env, **FAST_EXPORT, "TAILGUARD_TRACES_TAIL_RATIO": "0"}
     unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
     sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    async with traced_gateway(settings_for(primary, fallback), environ) as url:
-        quiet = await chat(client, url, "plain", {"traceparent": unsampled})
-        kept = await chat(client, url, "plain", {"traceparent": sampled})
+    async with run_gateway(settings_for(primary, fallback), environ=environ) as gw:
+        quiet = await chat(client, gw.url, "plain", {"traceparent": unsampled})
+        kept = await chat(client, gw.url, "plain", {"traceparent": sampled})
         last = kept.headers["x-request-id"]
         async with asyncio.timeout(scaled(5)):
             await collector.receiver.wait_for(lambda _: exported(collector, last))
-        metrics = (await client.get(url + "/metrics")).text
+        metrics = (await client.get(gw.url + "/metrics")).text
     assert quiet.status_code == kept.status_code == 200
     (server,) = collector.receiver.of_kind("SERVER")
     assert server.attributes[sc.TG_REQUEST_ID] == last
@@ -261,9 +260,9 @@ async def test_an_explicit_head_sampler_turns_tail_sampling_off(
         "OTEL_TRACES_SAMPLER": "always_on",
         "TAILGUARD_TRACES_TAIL_RATIO": "0",
     }
-    async with traced_gateway(settings_for(primary, fallback), environ) as url:
-        ids = [(await chat(client, url, "plain")).headers["x-request-id"] for _ in range(2)]
-        metrics = (await client.get(url + "/metrics")).text
+    async with run_gateway(settings_for(primary, fallback), environ=environ) as gw:
+        ids = [(await chat(client, gw.url, "plain")).headers["x-request-id"] for _ in range(2)]
+        metrics = (await client.get(gw.url + "/metrics")).text
     assert set(servers_by_request(collector)) == set(ids)
     assert len(collector.receiver.of_kind("CLIENT")) == 2
     assert decisions(metrics) == {}

@@ -1,7 +1,7 @@
 """OpenTelemetry traces end to end: a real gateway exporting OTLP/HTTP to a real receiver on
 loopback, with simulated upstreams that record the headers they were sent.
 
-The gateway is configured through `create_app(environ=...)`, not the process environment (one
+The gateway is configured through `run_gateway(environ=...)`, not the process environment (one
 test also sets OTEL_BSP_* there, which the SDK reads itself: see its xfail companion). Its batch
 processor exports when the app's lifespan ends (the tracer provider is shut down then), so
 every test leaves the gateway's context before it looks at the spans.
@@ -24,17 +24,15 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.api import create_app
-from gateway.config import AuthSpec, Settings
-from gateway.latency import MemoryRecorder
+from gateway.config import AuthSpec
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
 from gateway.telemetry import semconv as sc
 from gateway.telemetry import tracing_from_env
-from tests.conftest import free_port, gateway_settings, serve
+from tests.conftest import free_port, gateway_settings, run_gateway, serve
 from tests.fakes.otlp_receiver import ExportedSpan, OTLPReceiver, RecordingApp
-from tests.timing import scaled
+from tests.timing import eventually, scaled
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -100,14 +98,6 @@ async def fallback() -> AsyncIterator[Sim]:
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=10) as http:
         yield http
-
-
-@asynccontextmanager
-async def traced_gateway(settings: Settings, environ: Mapping[str, str]) -> AsyncIterator[str]:
-    """The gateway with tracing configured from `environ`; spans are flushed on exit."""
-    app = create_app(settings, recorder=MemoryRecorder(), environ=dict(environ))
-    async with serve(app) as url:
-        yield url
 
 
 def one(
@@ -179,8 +169,8 @@ async def test_streamed_chat_continues_the_client_trace(
     finish reasons, server address), the attempt's outcome and its TTFT. The upstream is sent a
     `traceparent` whose parent is that CLIENT span."""
     settings = one(primary, budget={"ttft_ms": 5000, "total_ms": 20000})
-    async with traced_gateway(settings, collector.env) as url:
-        resp, lines = await stream_chat(client, url, {"traceparent": TRACEPARENT})
+    async with run_gateway(settings, environ=collector.env) as gw:
+        resp, lines = await stream_chat(client, gw.url, {"traceparent": TRACEPARENT})
     assert resp.status_code == 200
     assert lines[-1] == "data: [DONE]"
     receiver = collector.receiver
@@ -237,8 +227,8 @@ async def test_failover_gives_one_client_span_per_attempt(
     CLIENT spans under the one SERVER span: `ttft_deadline` (not an error), then `won`; each
     upstream was sent its own attempt's span as the parent."""
     settings = two(primary, fallback, "slow@stall_rate=1", budget={"ttft_ms": 300})
-    async with traced_gateway(settings, collector.env) as url:
-        resp, _ = await stream_chat(client, url)
+    async with run_gateway(settings, environ=collector.env) as gw:
+        resp, _ = await stream_chat(client, gw.url)
         async with asyncio.timeout(
             scaled(5)
         ):  # the cut stream reached the primary before the flush
@@ -282,8 +272,8 @@ async def test_hedge_spans_are_marked(
         on_ttft_miss="hedge",
         hedge_max_fraction=1.0,
     )
-    async with traced_gateway(settings, collector.env) as url:
-        resp, _ = await stream_chat(client, url)
+    async with run_gateway(settings, environ=collector.env) as gw:
+        resp, _ = await stream_chat(client, gw.url)
         async with asyncio.timeout(scaled(5)):
             await primary.engine.stats.wait_for(lambda s: s.cancelled == 1)
     assert resp.headers["x-tailguard-route"] == "hedge"
@@ -302,8 +292,8 @@ async def test_upstream_error_marks_both_spans(
 ) -> None:
     """An upstream 500 with nothing to fall back to: the CLIENT span has `error.type` and an ERROR
     status; the SERVER span records the 502 the client got, as an error."""
-    async with traced_gateway(one(primary, "bad@error_500_rate=1"), collector.env) as url:
-        resp = await client.post(url + "/v1/chat/completions", json={"model": "m", **CHAT})
+    async with run_gateway(one(primary, "bad@error_500_rate=1"), environ=collector.env) as gw:
+        resp = await client.post(gw.url + "/v1/chat/completions", json={"model": "m", **CHAT})
     assert resp.status_code == 502
     server = server_span(collector.receiver)
     assert server.attributes[sc.HTTP_RESPONSE_STATUS_CODE] == 502
@@ -341,13 +331,13 @@ async def test_no_secret_reaches_a_span_and_baggage_is_not_forwarded(
         "baggage": "user=SECRET",
         "traceparent": TRACEPARENT,
     }
-    async with traced_gateway(settings, collector.env) as url:
+    async with run_gateway(settings, environ=collector.env) as gw:
         async with client.stream(
-            "POST", url + "/v1/chat/completions", json=body, headers=headers
+            "POST", gw.url + "/v1/chat/completions", json=body, headers=headers
         ) as resp:
             await resp.aread()
         failed = await client.post(  # an upstream error, whose text a span might carry
-            url + "/v1/chat/completions",
+            gw.url + "/v1/chat/completions",
             json={"model": "m", "messages": [{"role": "user", "content": "prompt-SECRET"}]},
             headers={**headers, "x-tailguard-ttft-budget-ms": "SECRET"},
         )
@@ -383,12 +373,12 @@ async def test_a_gateway_key_is_named_in_the_span_never_carried(
         }
     )
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    async with traced_gateway(settings, collector.env) as url:
+    async with run_gateway(settings, environ=collector.env) as gw:
         ok = await client.post(
-            url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+            gw.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
         )
         refused = await client.post(
-            url + "/v1/chat/completions",
+            gw.url + "/v1/chat/completions",
             json=body,
             headers={"authorization": "Bearer tg-wrong-SECRET-2"},
         )
@@ -413,8 +403,8 @@ async def test_exporter_headers_and_service_name_come_from_the_environment(
         "OTEL_SERVICE_NAME": "tg-under-test",
         "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test",
     }
-    async with traced_gateway(one(primary), environ) as url:
-        resp, _ = await stream_chat(client, url)
+    async with run_gateway(one(primary), environ=environ) as gw:
+        resp, _ = await stream_chat(client, gw.url)
     assert resp.status_code == 200
     receiver = collector.receiver
     assert receiver.exports and not receiver.refused
@@ -434,9 +424,9 @@ async def test_sampler_always_off_exports_nothing_but_still_propagates(
     """`OTEL_TRACES_SAMPLER=always_off`: requests are served and nothing is exported, but the
     upstream still gets a `traceparent` (unsampled) continuing the client's trace."""
     environ = {**collector.env, "OTEL_TRACES_SAMPLER": "always_off"}
-    async with traced_gateway(one(primary), environ) as url:
-        resp, lines = await stream_chat(client, url, {"traceparent": TRACEPARENT})
-        plain = await client.post(url + "/v1/chat/completions", json={"model": "m", **CHAT})
+    async with run_gateway(one(primary), environ=environ) as gw:
+        resp, lines = await stream_chat(client, gw.url, {"traceparent": TRACEPARENT})
+        plain = await client.post(gw.url + "/v1/chat/completions", json={"model": "m", **CHAT})
     assert resp.status_code == 200 and lines[-1] == "data: [DONE]"
     assert plain.status_code == 200
     assert collector.receiver.exports == [] and collector.receiver.refused == []
@@ -457,13 +447,15 @@ async def test_collector_down_costs_nothing(primary: Sim, client: httpx.AsyncCli
         "OTEL_EXPORTER_OTLP_TIMEOUT": "0.5",  # tracing.py: values <= 1000 are seconds
     }
     async with asyncio.timeout(scaled(8)):
-        async with traced_gateway(one(primary), environ) as url:
+        async with run_gateway(one(primary), environ=environ) as gw:
             for _ in range(10):
-                resp, lines = await stream_chat(client, url)
+                resp, lines = await stream_chat(client, gw.url)
                 assert resp.status_code == 200 and lines[-1] == "data: [DONE]"
-                plain = await client.post(url + "/v1/chat/completions", json={"model": "m", **CHAT})
+                plain = await client.post(
+                    gw.url + "/v1/chat/completions", json={"model": "m", **CHAT}
+                )
                 assert plain.status_code == 200
-            metrics = await client.get(url + "/metrics")
+            metrics = await client.get(gw.url + "/metrics")
     assert primary.engine.stats.completed == 20
     families = {f.name: f for f in text_string_to_metric_families(metrics.text)}
     dropped = families[sc.SPANS_DROPPED]
@@ -488,13 +480,13 @@ async def test_a_stuck_collector_drops_spans_and_counts_them(
             "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2",
         }
         async with asyncio.timeout(scaled(20)):
-            async with traced_gateway(one(primary), environ) as url:
+            async with run_gateway(one(primary), environ=environ) as gw:
                 for _ in range(10):
                     plain = await client.post(
-                        url + "/v1/chat/completions", json={"model": "m", **CHAT}
+                        gw.url + "/v1/chat/completions", json={"model": "m", **CHAT}
                     )
                     assert plain.status_code == 200
-                metrics = await client.get(url + "/metrics")
+                metrics = await client.get(gw.url + "/metrics")
     families = {f.name: f for f in text_string_to_metric_families(metrics.text)}
     # Ten requests make at least ten spans; at most two wait in the queue and two are in the
     # stuck export, so at least six were dropped while the exporter waited.
@@ -546,24 +538,26 @@ async def test_spans_dropped_by_a_full_queue_are_counted(
     environ = {**collector.env, **bsp, "OTEL_EXPORTER_OTLP_TIMEOUT": "5000"}
     receiver = collector.receiver
     receiver.hold()
-    async with traced_gateway(one(primary), environ) as url:
+    async with run_gateway(one(primary), environ=environ) as gw:
         for _ in range(4):
             async with asyncio.timeout(scaled(2)):  # a stuck collector never slows a request
-                resp, lines = await stream_chat(client, url)
+                resp, lines = await stream_chat(client, gw.url)
             assert resp.status_code == 200 and lines[-1] == "data: [DONE]"
         async with asyncio.timeout(scaled(3)):
             await receiver.wait_for(lambda r: r.held == 1)
         receiver.release()
-        async with asyncio.timeout(scaled(10)):
-            # Every one of the eight spans ends up exported or counted as dropped (the last
-            # request's spans end just after its last byte; the export thread drains the rest).
-            while True:
-                metrics = await client.get(url + "/metrics")
-                families = {f.name: f for f in text_string_to_metric_families(metrics.text)}
-                dropped = families[sc.SPANS_DROPPED].samples[0].value
-                if dropped + len(receiver.spans) == 8:
-                    break
-                await asyncio.sleep(0.02)
+
+        async def accounted() -> tuple[float] | None:
+            metrics = await client.get(gw.url + "/metrics")
+            families = {f.name: f for f in text_string_to_metric_families(metrics.text)}
+            dropped = families[sc.SPANS_DROPPED].samples[0].value
+            return (dropped,) if dropped + len(receiver.spans) == 8 else None
+
+        # Every one of the eight spans ends up exported or counted as dropped (the last
+        # request's spans end just after its last byte; the export thread drains the rest).
+        (dropped,) = await eventually(
+            accounted, within_s=10, what="every span exported or counted as dropped"
+        )
     # At most four fit (a batch of two being exported, two queued): the rest were dropped; how
     # many more depends on when the export thread took its first batch.
     assert dropped >= 4
@@ -590,9 +584,9 @@ async def test_a_refused_request_has_a_server_span(
 ) -> None:
     """An unknown model (404) is still a client request: one SERVER span in the client's trace
     with the status and an error type, and no CLIENT span."""
-    async with traced_gateway(one(primary), collector.env) as url:
+    async with run_gateway(one(primary), environ=collector.env) as gw:
         resp = await client.post(
-            url + "/v1/chat/completions",
+            gw.url + "/v1/chat/completions",
             json={"model": "no-such-model", **CHAT},
             headers={"traceparent": TRACEPARENT},
         )
@@ -613,9 +607,9 @@ async def test_no_otel_environment_means_no_tracing(
     forwarded upstream unchanged."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
     assert os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] == collector.url
-    async with traced_gateway(one(primary), {}) as url:
-        resp, lines = await stream_chat(client, url, {"traceparent": TRACEPARENT})
-        plain = await client.post(url + "/v1/chat/completions", json={"model": "m", **CHAT})
+    async with run_gateway(one(primary), environ={}) as gw:
+        resp, lines = await stream_chat(client, gw.url, {"traceparent": TRACEPARENT})
+        plain = await client.post(gw.url + "/v1/chat/completions", json={"model": "m", **CHAT})
     assert resp.status_code == 200 and lines[-1] == "data: [DONE]"
     assert plain.status_code == 200
     assert collector.receiver.exports == [] and collector.receiver.refused == []
@@ -642,8 +636,8 @@ async def test_prompt_is_captured_only_when_enabled(
     environ = dict(collector.env)
     if setting is not None:
         environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = setting
-    async with traced_gateway(one(primary), environ) as url:
-        resp, _ = await stream_chat(client, url)
+    async with run_gateway(one(primary), environ=environ) as gw:
+        resp, _ = await stream_chat(client, gw.url)
     assert resp.status_code == 200
     (attempt,) = client_spans(collector.receiver)
     server = server_span(collector.receiver)
