@@ -7,7 +7,6 @@ import logging
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -22,7 +21,7 @@ from gateway.latency import MemoryRecorder
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
-from tests.timing import eventually, scaled
+from tests.timing import eventually, eventually_sync, scaled
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -201,19 +200,22 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + scaled(10)
-        while True:  # bounded wait for the server to answer PING
+
+        def answers() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"redis-server exited at start on port {self.port}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
                     conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return
+                    return conn.recv(16).startswith(b"+PONG")
             except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.02)
+                return False
+
+        try:
+            eventually_sync(answers, what=f"redis-server answering PING on port {self.port}")
+        except BaseException:
+            self.kill()
+            raise
 
     def kill(self) -> None:
         """Kill the server at once (SIGKILL, as in a crash); what it held is lost."""

@@ -27,7 +27,14 @@ import pytest
 
 T = TypeVar("T")
 
-__all__ = ["SLOWDOWN_AT_START", "cpu_slowdown", "eventually", "scaled", "slowdown"]
+__all__ = [
+    "SLOWDOWN_AT_START",
+    "cpu_slowdown",
+    "eventually",
+    "eventually_sync",
+    "scaled",
+    "slowdown",
+]
 
 REFERENCE_S: Final = 0.02  # `_spin()` on a quiet 2-core development machine (best of 10)
 MOST: Final = 20.0
@@ -112,12 +119,33 @@ async def eventually(
             found = await found
         if found:
             return found
-        if time.monotonic() > deadline:
-            pytest.fail(
-                f"not reached within {scaled(within_s):.1f} s: "
-                f"{what if isinstance(what, str) else what()}"
-            )
+        _fail_if_past(deadline, within_s, what)
         await asyncio.sleep(every_s)
+
+
+def eventually_sync(
+    check: Callable[[], T | None],
+    *,
+    within_s: float = 10.0,
+    what: str | Callable[[], str] = "the condition",
+    every_s: float = 0.02,
+) -> T:
+    """`eventually` for code that cannot await: a synchronous fixture (a module-scoped one
+    outlives the tests' event loops) waiting on another process."""
+    deadline = time.monotonic() + scaled(within_s)
+    while True:
+        if found := check():
+            return found
+        _fail_if_past(deadline, within_s, what)
+        time.sleep(every_s)
+
+
+def _fail_if_past(deadline: float, within_s: float, what: str | Callable[[], str]) -> None:
+    if time.monotonic() > deadline:
+        pytest.fail(
+            f"not reached within {scaled(within_s):.1f} s: "
+            f"{what if isinstance(what, str) else what()}"
+        )
 
 
 def cpu_slowdown() -> float:

@@ -28,7 +28,7 @@ from gateway.latency import TTFT_DEADLINE, RedisLatencyStore, Sample
 from gateway.redis import RedisClient, connect_redis, parse_redis_url
 from tests.conftest import free_port
 from tests.latency.test_store import Clock, failed, ok, same_numbers
-from tests.timing import scaled
+from tests.timing import eventually_sync, scaled
 
 PASSWORD = "tg-Data-Pa55"  # what the test servers require
 SENTINEL_PASSWORD = "tg-Sentinel-Pa55"
@@ -47,16 +47,14 @@ def binary(name: str) -> str:
 
 def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
     """Poll `check` until it holds; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + scaled(timeout_s)
-    while True:
+
+    def holds() -> bool:
         try:
-            if check():
-                return
+            return check()
         except (redis.RedisError, OSError):
-            pass  # not up yet
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+            return False  # not up yet
+
+    eventually_sync(holds, within_s=timeout_s, what=what)
 
 
 def sync_client(port: int, password: str = PASSWORD) -> redis.Redis:

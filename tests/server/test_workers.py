@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from tests.conftest import free_port
-from tests.timing import eventually, scaled
+from tests.timing import eventually, eventually_sync, scaled
 
 TAILGUARD = Path(sys.executable).parent / "tailguard"
 WORKERS = 2
@@ -46,14 +46,14 @@ def sim() -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + scaled(START_S)
-        while True:
-            with suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
+
+        def up() -> bool:
             assert process.poll() is None, "the simulator exited"
-            assert time.monotonic() < deadline, "the simulator did not start"
-            time.sleep(0.05)
+            with suppress(httpx.TransportError):
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            return False
+
+        eventually_sync(up, within_s=START_S, what="the simulator answering", every_s=0.05)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         process.terminate()
@@ -162,11 +162,12 @@ def serve(config: Path) -> Iterator[Gateway]:
     gateway = Gateway(process, port, log)
     workers: set[int] = set()
     try:
-        deadline = time.monotonic() + scaled(START_S)
-        while f"{WORKERS} workers (pids" not in gateway.log_text():
+
+        def started() -> bool:
             assert process.poll() is None, gateway.log_text()
-            assert time.monotonic() < deadline, "the workers did not start"
-            time.sleep(0.05)
+            return f"{WORKERS} workers (pids" in gateway.log_text()
+
+        eventually_sync(started, within_s=START_S, what="the workers starting", every_s=0.05)
         workers = gateway.workers()
         yield gateway
     finally:
