@@ -34,6 +34,7 @@ __all__ = [
     "ServerState",
     "SpecCounters",
     "SpecRates",
+    "beside_v1",
     "metrics_url",
     "parse_metrics",
     "snapshot",
@@ -254,13 +255,18 @@ def _spec_counters(
     return None if spec == SpecCounters() else spec
 
 
-def metrics_url(base_url: str) -> str:
-    """vLLM serves `/metrics` at the root, beside `/v1`."""
+def beside_v1(base_url: str, path: str) -> str:
+    """A path vLLM serves at its root, beside `/v1` (`/metrics`, `/tokenize`)."""
     parts = urlsplit(base_url)
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[:-3]
-    return urlunsplit((parts.scheme, parts.netloc, path + "/metrics", "", ""))
+    root = parts.path.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[:-3]
+    return urlunsplit((parts.scheme, parts.netloc, root + path, "", ""))
+
+
+def metrics_url(base_url: str) -> str:
+    """Where a vLLM server's Prometheus metrics are read, given its OpenAI base URL."""
+    return beside_v1(base_url, "/metrics")
 
 
 @dataclass(slots=True)

@@ -5,20 +5,11 @@ as its counter and, with `bulk_priority`, bulk requests sent at a lower priority
 from __future__ import annotations
 
 from collections.abc import Mapping
-from urllib.parse import urlsplit, urlunsplit
 
+from gateway.latency.vllm import beside_v1
 from gateway.providers.count import http_counter
 from gateway.providers.openai import OpenAIProvider, without_betas
 from gateway.upstream import Counter, TokenQuery
-
-
-def tokenize_url(base_url: str) -> str:
-    """vLLM serves `/tokenize` at the root, beside `/v1`."""
-    parts = urlsplit(base_url)
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[:-3]
-    return urlunsplit((parts.scheme, parts.netloc, path + "/tokenize", "", ""))
 
 
 class VLLMProvider(OpenAIProvider):
@@ -33,7 +24,7 @@ class VLLMProvider(OpenAIProvider):
             self,
             self._spec,
             deployment,
-            tokenize_url(self._base),
+            beside_v1(self._base, "/tokenize"),
             lambda: {"model": upstream_model, **query.chat()},
             "count",
             without_betas(headers),

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.latency.vllm import Histogram, ServerState, metrics_url, parse_metrics
+from gateway.latency.vllm import Histogram, ServerState, beside_v1, metrics_url, parse_metrics
 from gateway.routing.predict import TTFTPredictor, prompt_band
 
 PAGE_NEW = """\
@@ -110,9 +110,11 @@ def test_recent_ttft_median_is_taken_once_per_scrape() -> None:
     assert state.recent_ttft_p50() is None
 
 
-def test_metrics_url_sits_beside_v1() -> None:
+def test_metrics_and_tokenize_sit_beside_v1() -> None:
     assert metrics_url("http://gpu:8000/v1") == "http://gpu:8000/metrics"
     assert metrics_url("https://h/prefix/v1/") == "https://h/prefix/metrics"
+    assert beside_v1("http://gpu:8000/v1", "/tokenize") == "http://gpu:8000/tokenize"
+    assert beside_v1("http://gpu:8000", "/tokenize") == "http://gpu:8000/tokenize"
 
 
 def test_prediction_starts_from_the_prior_and_learns_the_queue_cost() -> None:
