@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
 
+import httpx
 import pytest
 import uvicorn
 
@@ -21,6 +22,7 @@ from gateway.latency import MemoryRecorder
 from gateway.sim.engine import SimEngine
 from gateway.sim.profile import SimProfile
 from gateway.sim.server import create_sim_app
+from tests.fakes.otlp_receiver import RecordingApp
 from tests.timing import eventually, eventually_sync, scaled
 
 
@@ -95,24 +97,65 @@ async def serve(app: Any) -> AsyncIterator[str]:
 
 
 class Upstream:
-    """A simulated LLM server running for real on loopback."""
+    """A simulated LLM server running for real on loopback; `recording` keeps each POST's path
+    and headers."""
 
-    def __init__(self, engine: SimEngine, url: str) -> None:
+    def __init__(self, engine: SimEngine, url: str, recording: RecordingApp | None = None) -> None:
         self.engine = engine
         self.url = url
         self.base_url = url + "/v1"
+        self.recording = recording
 
     @property
     def stats(self) -> Any:
         return self.engine.stats
 
+    def headers(self) -> list[dict[str, str]]:
+        """The headers of each request it was sent, in order."""
+        assert self.recording is not None, "an upstream served without recording"
+        return self.recording.headers
+
+    def traceparents(self) -> list[str | None]:
+        """The `traceparent` each request carried, in order (None: none)."""
+        return [headers.get("traceparent") for headers in self.headers()]
+
+
+@asynccontextmanager
+async def simulated() -> AsyncIterator[Upstream]:
+    """A zero-delay simulated upstream; tests script it through model names (`m@key=value`)."""
+    engine = SimEngine({}, SimProfile(output_tokens=5), seed=1)
+    recording = RecordingApp(create_sim_app(engine))
+    async with serve(recording) as url:
+        yield Upstream(engine, url, recording)
+
 
 @pytest.fixture
 async def upstream() -> AsyncIterator[Upstream]:
-    """A zero-delay simulated upstream; tests script it through model names (`m@key=value`)."""
-    engine = SimEngine({}, SimProfile(output_tokens=5), seed=1)
-    async with serve(create_sim_app(engine)) as url:
-        yield Upstream(engine, url)
+    """A simulated upstream (see `simulated`)."""
+    async with simulated() as up:
+        yield up
+
+
+@pytest.fixture
+async def primary() -> AsyncIterator[Upstream]:
+    """The upstream of a model's own deployment, where a fallback model has another."""
+    async with simulated() as up:
+        yield up
+
+
+@pytest.fixture
+async def fallback() -> AsyncIterator[Upstream]:
+    """The fallback model's upstream, beside `primary`."""
+    async with simulated() as up:
+        yield up
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    """A plain HTTP client for the tests' servers (a test module may define its own, with
+    other limits)."""
+    async with httpx.AsyncClient(timeout=scaled(20)) as http:
+        yield http
 
 
 def gateway_settings(

@@ -45,12 +45,6 @@ def only_sample(gw: Gateway) -> Sample:
     return samples[-1]
 
 
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        yield http
-
-
 # --- streaming -----------------------------------------------------------------------------------
 
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import orjson
-import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.sim.engine import SimEngine
@@ -84,12 +83,6 @@ async def embed(
         json={"model": "e", "input": text},
         headers=BULK if headers is None else headers,
     )
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=20) as http:
-        yield http
 
 
 async def queued(client: httpx.AsyncClient, url: str, inputs: int) -> None:

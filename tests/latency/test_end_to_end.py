@@ -52,12 +52,6 @@ def chat(model: str) -> dict[str, Any]:
     return {"model": model, **CHAT}
 
 
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        yield http
-
-
 async def stream_chat(
     client: httpx.AsyncClient, url: str, model: str, n: int
 ) -> list[httpx.Response]:

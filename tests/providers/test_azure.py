@@ -30,11 +30,8 @@ from gateway.models import SSEEvent
 from gateway.providers.azure import filter_results_only
 from gateway.providers.decode import OpenAIStreamDecoder
 from gateway.scrubbing import Scrubber
-from gateway.sim.engine import SimEngine
-from gateway.sim.profile import SimProfile
-from gateway.sim.server import create_sim_app
 from tests.clients import Clients, open_clients
-from tests.conftest import Upstream, serve
+from tests.conftest import serve, simulated
 from tests.fakes.azure_upstream import AFTER_TOOL_TEXT, RESPONSES_VERSION, WORDS, AzureFake
 from tests.fakes.responses_upstream import WORDS as NATIVE_WORDS
 from tests.schemas import SchemaWire, parse_sse, validate, validate_stream
@@ -576,21 +573,13 @@ async def test_a_429_with_retry_after_ms_fails_over_and_cools_down(
 # --- the same model on Azure and on OpenAI -------------------------------------------------------
 
 
-@asynccontextmanager
-async def openai_upstream() -> AsyncIterator[Upstream]:
-    """The simulated OpenAI-compatible server (`m@key=value` scripts it)."""
-    engine = SimEngine({}, SimProfile(output_tokens=5), seed=1)
-    async with serve(create_sim_app(engine)) as url:
-        yield Upstream(engine, url)
-
-
 async def test_azure_and_openai_deployments_fail_over_both_ways(
     fake: tuple[AzureFake, str],
 ) -> None:
     """A model on Azure and on OpenAI: a throttled Azure deployment fails over to OpenAI, a
     failing OpenAI deployment (its connection reset) to Azure."""
     _, url = fake
-    async with openai_upstream() as oa:
+    async with simulated() as oa:
         providers = {"az": azure(url), "oa": {"type": "openai", "base_url": oa.base_url}}
         models = (
             model("gpt", "az/busy-east", "oa/gpt-4o"),
@@ -614,7 +603,7 @@ async def test_azure_and_openai_deployments_fail_over_both_ways(
 async def test_a_slow_azure_deployment_is_hedged_on_openai(fake: tuple[AzureFake, str]) -> None:
     """A first token late on Azure: a hedge on OpenAI wins, and the Azure stream is closed."""
     upstream, url = fake
-    async with openai_upstream() as oa:
+    async with simulated() as oa:
         providers = {"az": azure(url), "oa": {"type": "openai", "base_url": oa.base_url}}
         gpt = model("gpt", "az/slow-east", "oa/gpt-4o")
         for deployment in gpt["deployments"]:

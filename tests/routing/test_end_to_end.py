@@ -9,50 +9,18 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 
-from gateway.sim.engine import SimEngine
-from gateway.sim.profile import SimProfile
-from gateway.sim.server import create_sim_app
 from gateway.telemetry import semconv as sc
-from tests.conftest import Upstream, gateway_settings, run_gateway, serve
+from tests.conftest import Upstream, gateway_settings, run_gateway
 from tests.latency.test_end_to_end import count, poll_latency, tailguard
 from tests.telemetry.test_metrics import scrape_when
 from tests.timing import scaled, slowdown
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        yield http
-
-
-@asynccontextmanager
-async def sim() -> AsyncIterator[Upstream]:
-    """A zero-delay simulated upstream; tests script it through model names (`m@key=value`)."""
-    engine = SimEngine({}, SimProfile(output_tokens=5), seed=1)
-    async with serve(create_sim_app(engine)) as url:
-        yield Upstream(engine, url)
-
-
-@pytest.fixture
-async def primary() -> AsyncIterator[Upstream]:
-    async with sim() as upstream:
-        yield upstream
-
-
-@pytest.fixture
-async def fallback() -> AsyncIterator[Upstream]:
-    async with sim() as upstream:
-        yield upstream
 
 
 def routed(

@@ -7,7 +7,6 @@ the lines.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -20,12 +19,6 @@ from tests.telemetry.test_metrics import scrape_when
 
 PROMPT = "Tell me a SECRET-PROMPT story."
 CHAT = {"messages": [{"role": "user", "content": PROMPT}]}
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        yield http
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:

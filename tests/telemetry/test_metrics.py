@@ -7,17 +7,16 @@ polls the exposition (with a deadline) until the traffic it sent is all counted.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from gateway.telemetry import semconv as sc
 from tests.conftest import Upstream, one_model, run_gateway
-from tests.telemetry.test_tracing import Sim, sim, two
+from tests.telemetry.test_tracing import Sim, two
 from tests.timing import eventually
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
@@ -70,24 +69,6 @@ async def scrape_when(
 
 def requests_counted(n: int) -> Callable[[Scrape], bool]:
     return lambda s: s.value(sc.REQUESTS + "_total") >= n
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        yield http
-
-
-@pytest.fixture
-async def primary() -> AsyncIterator[Sim]:
-    async with sim() as upstream:
-        yield upstream
-
-
-@pytest.fixture
-async def fallback() -> AsyncIterator[Sim]:
-    async with sim() as upstream:
-        yield upstream
 
 
 async def stream_chat(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,14 +22,14 @@ from gateway.latency import BYTES_PER_TOKEN
 from gateway.telemetry import semconv as sc
 from tests.conftest import Upstream, gateway_settings, run_gateway
 from tests.latency.test_end_to_end import poll_latency, tailguard
-from tests.routing.test_end_to_end import fallback, primary, routed
+from tests.routing.test_end_to_end import routed
 from tests.telemetry.test_access_log import lines
 from tests.telemetry.test_dashboard import CHROMIUM, WAIT_MS, Watched, chromium
 from tests.telemetry.test_metrics import scrape, scrape_when
 from tests.telemetry.test_tracing import Collector, collector
 from tests.timing import scaled
 
-__all__ = ["collector", "fallback", "primary"]  # fixtures, used by name
+__all__ = ["collector"]  # a fixture, used by name
 
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 SLO_REQUESTS = sc.SLO_REQUESTS + "_total"
@@ -39,12 +39,6 @@ DEPLOYMENT = f"up/{PACED}"
 BEYOND_MS = re.compile(r"^> [0-9,]+ ms$")  # a quantile known only to exceed its latest cut
 Body = dict[str, Any]
 BODY = orjson.dumps({"model": "m", "stream": True, **CHAT})
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        yield http
 
 
 def paced(upstream: Upstream, model: str = PACED, **spec: Any) -> Any:

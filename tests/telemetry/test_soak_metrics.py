@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -24,12 +23,6 @@ STALLED = 4  # requests held open at the upstream at once
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/status").exists(), reason="the process metrics read /proc"
 )
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        yield http
 
 
 def vm_rss_bytes() -> int:

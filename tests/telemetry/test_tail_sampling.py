@@ -29,16 +29,13 @@ from tests.telemetry.test_tracing import (
     CHAT,
     Collector,
     Sim,
-    client,
     collector,
-    fallback,
-    primary,
     stream_chat,
     two,
 )
 from tests.timing import scaled
 
-__all__ = ["client", "collector", "fallback", "primary"]  # fixtures, used by name
+__all__ = ["collector"]  # a fixture, used by name
 
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "10"}
 

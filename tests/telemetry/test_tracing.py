@@ -15,7 +15,6 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +24,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import AuthSpec
-from gateway.sim.engine import SimEngine
-from gateway.sim.profile import SimProfile
-from gateway.sim.server import create_sim_app
 from gateway.telemetry import semconv as sc
 from gateway.telemetry import tracing_from_env
-from tests.conftest import free_port, gateway_settings, run_gateway, serve
-from tests.fakes.otlp_receiver import ExportedSpan, OTLPReceiver, RecordingApp
+from tests.conftest import Upstream, free_port, gateway_settings, run_gateway, serve
+from tests.fakes.otlp_receiver import ExportedSpan, OTLPReceiver
 from tests.timing import eventually, scaled
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -55,16 +51,7 @@ class Collector:
         return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.url, "TAILGUARD_TRACES_TAIL_RATIO": "1"}
 
 
-@dataclass
-class Sim:
-    """A simulated upstream behind a wrapper that records each request's headers."""
-
-    engine: SimEngine
-    recording: RecordingApp
-    base_url: str
-
-    def traceparents(self) -> list[str | None]:
-        return [headers.get("traceparent") for headers in self.recording.headers]
+Sim = Upstream  # a simulated upstream that records each request's headers
 
 
 @pytest.fixture
@@ -72,32 +59,6 @@ async def collector() -> AsyncIterator[Collector]:
     receiver = OTLPReceiver()
     async with serve(receiver) as url:
         yield Collector(receiver, url)
-
-
-@asynccontextmanager
-async def sim() -> AsyncIterator[Sim]:
-    engine = SimEngine({}, SimProfile(output_tokens=5), seed=1)
-    recording = RecordingApp(create_sim_app(engine))
-    async with serve(recording) as url:
-        yield Sim(engine, recording, url + "/v1")
-
-
-@pytest.fixture
-async def primary() -> AsyncIterator[Sim]:
-    async with sim() as upstream:
-        yield upstream
-
-
-@pytest.fixture
-async def fallback() -> AsyncIterator[Sim]:
-    async with sim() as upstream:
-        yield upstream
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as http:
-        yield http
 
 
 def one(
@@ -352,7 +313,7 @@ async def test_no_secret_reaches_a_span_and_baggage_is_not_forwarded(
         assert "SECRET" not in text, span
     for export in receiver.exports:
         assert b"SECRET" not in export.body
-    (sent,) = primary.recording.headers
+    (sent,) = primary.headers()
     assert "baggage" not in sent
     assert sent["authorization"] == "Bearer sk-test-SECRET-abc123"
     assert sent["x-api-key"] == "hdr-SECRET-xyz"
