@@ -7,6 +7,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Self
 
+import orjson
+
 
 async def lifespan(receive: Any, send: Any) -> None:
     """Complete start-up, then shutdown when the server asks."""
@@ -38,6 +40,25 @@ async def request_of(scope: Any, receive: Any) -> tuple[bytes, dict[str, str]] |
             break
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
     return b"".join(parts), headers
+
+
+async def incoming(scope: Any, receive: Any, send: Any) -> tuple[bytes, dict[str, str]] | None:
+    """An HTTP request's whole body and headers, as `request_of` reads them; None once the
+    lifespan protocol is answered here, for any other scope, or when the client left early."""
+    if scope["type"] == "lifespan":
+        await lifespan(receive, send)
+        return None
+    if scope["type"] != "http":
+        return None
+    return await request_of(scope, receive)
+
+
+def json_or_none(raw: bytes) -> Any:
+    """A request body as JSON, or None when it is not JSON (a fake records what it was sent)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
 
 
 class Watched:

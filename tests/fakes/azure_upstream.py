@@ -39,7 +39,7 @@ from urllib.parse import parse_qs, unquote
 
 import orjson
 
-from tests.fakes.asgi import Watched, lifespan, request_of
+from tests.fakes.asgi import Watched, incoming
 from tests.fakes.responses_upstream import ResponsesFake
 
 Scope = MutableMapping[str, Any]
@@ -101,10 +101,7 @@ class AzureFake(Watched):
         return sum(1 for r in self.requests if r.deployment == deployment)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
-        received = await request_of(scope, receive)
+        received = await incoming(scope, receive, send)
         if received is None:
             return
         raw, headers = received

@@ -48,7 +48,7 @@ from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from tests.fakes.asgi import Watched, lifespan, request_of
+from tests.fakes.asgi import Watched, incoming, json_or_none
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -168,12 +168,7 @@ class BedrockFake(Watched):
     streams_abandoned: int = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        received = await request_of(scope, receive)
+        received = await incoming(scope, receive, send)
         if received is None:
             return
         raw, headers = received
@@ -217,10 +212,7 @@ class BedrockFake(Watched):
                 404, "UnknownOperationException", f"no operation {method} {raw_path}"
             )
         model, stream = unquote(found.group(1)), found.group(2) == "converse-stream"
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            body = None
+        body = json_or_none(raw)
         self.requests.append(
             Received(f"/model/{model}/{found.group(2)}", model, stream, headers, body)
         )
@@ -525,10 +517,7 @@ class StsFake:
     calls: int = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
-        received = await request_of(scope, receive)
+        received = await incoming(scope, receive, send)
         if received is None:
             return
         raw = received[0]

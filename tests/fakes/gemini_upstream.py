@@ -61,7 +61,7 @@ from typing import Any, Final
 import orjson
 
 from tests.fakes.anthropic_upstream import AnthropicFake, Received, answer_text
-from tests.fakes.asgi import Watched, lifespan, request_of
+from tests.fakes.asgi import Watched, incoming, json_or_none
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -195,17 +195,11 @@ class GeminiFake(Watched):
         self._ids = itertools.count(1)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
-        received = await request_of(scope, receive)
+        received = await incoming(scope, receive, send)
         if received is None:
             return
         raw, headers = received
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            body = None
+        body = json_or_none(raw)
         self.requests.append(Received(scope["method"], scope["path"], headers, body))
         await self.notify()
         try:

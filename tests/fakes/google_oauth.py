@@ -28,7 +28,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
-from tests.fakes.asgi import Watched, lifespan, request_of
+from tests.fakes.asgi import Watched, incoming
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -121,10 +121,7 @@ class TokenEndpoint(Watched):
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
-        received = await request_of(scope, receive)
+        received = await incoming(scope, receive, send)
         if received is None:
             return
         raw = received[0]
