@@ -8,10 +8,9 @@ from typing import Final
 
 from gateway.config import ProviderSpec
 from gateway.models import Endpoint, InBandError, Wire
-from gateway.providers.count import http_counter
 from gateway.providers.decode import anthropic_error
-from gateway.providers.http import HTTPProvider
-from gateway.upstream import Counter, TokenQuery
+from gateway.providers.http import CountRequest, HTTPProvider
+from gateway.upstream import TokenQuery
 
 PATHS: Final[Mapping[Endpoint, str]] = {"messages": "/v1/messages"}
 
@@ -30,16 +29,10 @@ class AnthropicProvider(HTTPProvider):
     def _inband_error(self, body: bytes) -> InBandError | None:
         return anthropic_error(body, scrub=self.scrub)
 
-    def counter(
-        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
-    ) -> Counter:
-        return http_counter(
-            self,
-            self._spec,
-            deployment,
+    def _count_request(self, upstream_model: str, query: TokenQuery) -> CountRequest:
+        return CountRequest(
             self._base + "/v1/messages/count_tokens",
             lambda: {**query.messages(), "model": upstream_model},
             "input_tokens",
-            headers,  # its betas too: a beta may change what is counted
-            query.size,
+            betas=True,  # a beta may change what is counted
         )

@@ -26,12 +26,11 @@ from urllib.parse import quote
 from gateway.config import ProviderSpec
 from gateway.errors import ContentFilteredError, ProviderError, ProviderRejectedError
 from gateway.models import Chunk, Endpoint, UpstreamRequest
-from gateway.providers.base import NoCounter
-from gateway.providers.http import Session
+from gateway.providers.http import CountRequest, Session
 from gateway.providers.openai import PATHS as _PATHS
 from gateway.providers.openai import OpenAIProvider
 from gateway.scrubbing import Scrubber
-from gateway.upstream import UpstreamStream
+from gateway.upstream import TokenQuery, UpstreamStream
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ class TokenFile:
         return self.token
 
 
-class AzureProvider(NoCounter, OpenAIProvider):
+class AzureProvider(OpenAIProvider):
     """An Azure OpenAI resource: its deployments are the gateway deployments' `model`s. Azure
     offers no token counter (its Responses API has no `input_tokens`)."""
 
@@ -123,6 +122,9 @@ class AzureProvider(NoCounter, OpenAIProvider):
         if spec.azure_ad_token is not None:
             return {"authorization": f"Bearer {spec.azure_ad_token.get_secret_value()}"}
         return {}  # a token file: its token is added per request
+
+    def _count_request(self, upstream_model: str, query: TokenQuery) -> CountRequest | None:
+        return None
 
     def _url(self, deployment: str, endpoint: Endpoint) -> str:
         url = self._by_deployment.get((deployment, endpoint))

@@ -7,7 +7,8 @@ Each upstream protocol has its own counter, asked in the shape it takes:
 - vLLM: `POST {base without /v1}/tokenize` with the chat form (`messages`, `tools`) → `count`;
 - simulated: the engine's own tokenizer (`SimEngine.count_tokens`), the one its usage reports.
 
-Each adapter answers for itself (`Provider.counter`, built from `http_counter` or
+Each adapter answers for itself (`Provider.counter`: an HTTP adapter names its counter's URL,
+body and answer key, and `HTTPProvider.counter` posts it; the simulator's is
 `simulated_counter`); one without a counter (an OpenAI-compatible chat API, Azure, Bedrock,
 Gemini, Vertex) answers None, and the caller falls back on `estimate_tokens`. A counter's
 failure is a `ProviderError`, translated here from the transport's exceptions and the
@@ -17,21 +18,17 @@ express raises `TranslationError`.
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import orjson
 
 from gateway.admission.validate import off_loop
-from gateway.config import ProviderSpec
-from gateway.errors import ProviderError, ProviderTimeoutError, upstream_error
+from gateway.errors import ProviderError, upstream_error
 from gateway.models import Wire
 from gateway.numbers import count
-from gateway.providers.base import MAX_ERROR_BYTES, status_error
-from gateway.providers.http import HTTPProvider, translate_client_error
 from gateway.providers.translate import (
     TranslationError,
     chat_request_to_anthropic,
@@ -43,7 +40,6 @@ from gateway.upstream import Counter, TokenQuery
 
 CHARS_PER_TOKEN: Final = 4
 """The estimate's rule of thumb: about four characters of English text per token."""
-MAX_COUNT_BYTES: Final = 64 * 1024 * 1024  # vLLM's answer lists every token id of the prompt
 
 # What each counter is sent of a body translated from the other wire: the input, not the
 # generation settings (Anthropic's counter refuses `max_tokens`, for one).
@@ -148,7 +144,7 @@ def simulated_counter(
                 headers={},
                 param=exc.param,
             ) from None
-        return _counted(tokens, deployment)
+        return counted(tokens, deployment)
 
     return simulated
 
@@ -157,80 +153,8 @@ def _simulated_count(engine: Any, upstream_model: str, query: TokenQuery) -> int
     return int(engine.count_tokens({"model": upstream_model, **query.chat()}))
 
 
-def _encoded(make_body: Callable[[], dict[str, Any]]) -> bytes:
-    return orjson.dumps(make_body())
-
-
-def http_counter(
-    provider: HTTPProvider,
-    spec: ProviderSpec,
-    deployment: str,
-    url: str,
-    make_body: Callable[[], dict[str, Any]],
-    key: str,
-    headers: Mapping[str, str],
-    size: int,
-) -> Counter:
-    """A counter behind `url` on the provider's own pool and credentials: `make_body()` is
-    posted, translated off the loop when large, and the answer's `key` is the count.
-
-    The session's own timeouts bound connecting and each read; this bounds the whole, so a
-    counter trickling bytes cannot hold the request either."""
-    limit_s = (spec.connect_timeout_ms + spec.read_timeout_ms) / 1000
-
-    async def post() -> int:
-        body = await off_loop(size, _encoded, make_body)  # translated before anything is sent
-        # The provider's own pool and credentials, as its LLM requests use them.
-        sent = {**provider.body_headers, **headers}
-        try:
-            async with asyncio.timeout(limit_s):
-                status, answer, reply_headers = await _post(provider.session, url, body, sent)
-        except TimeoutError:
-            raise ProviderTimeoutError(
-                f"the token counter did not answer within {limit_s:g} s",
-                deployment=deployment,
-                kind="timeout",
-            ) from None
-        except Exception as exc:
-            error = translate_client_error(deployment, exc)
-            if error is None:
-                raise
-            raise error from None
-        if status >= 300:
-            raise status_error(
-                deployment=deployment,
-                wire=provider.wire,
-                status=status,
-                headers=reply_headers,
-                body=answer[:MAX_ERROR_BYTES],
-                scrub=provider.scrub,
-            )
-        try:
-            data = orjson.loads(answer)
-        except orjson.JSONDecodeError:
-            data = None
-        return _counted(data.get(key) if isinstance(data, dict) else None, deployment)
-
-    return post
-
-
-async def _post(
-    session: Any, url: str, body: bytes, headers: Mapping[str, str]
-) -> tuple[int, bytes, Mapping[str, str]]:
-    """POST `body`; the status, at most MAX_COUNT_BYTES of the answer, and its headers."""
-    response = await session.post(url, data=body, headers=headers)
-    try:
-        parts: list[bytes] = []
-        size = 0
-        while size < MAX_COUNT_BYTES and (data := await response.content.read(65536)):
-            parts.append(data)
-            size += len(data)
-        return response.status, b"".join(parts), response.headers
-    finally:
-        response.close()
-
-
-def _counted(value: object, deployment: str) -> int:
+def counted(value: object, deployment: str) -> int:
+    """A counter's answer as a token count; a `ProviderError` if it holds none."""
     tokens = count(value)
     if tokens is None:
         raise ProviderError(

@@ -12,16 +12,19 @@ parsing, header models and response objects made twice), so the adapter speaks a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final, NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
+import orjson
 
+from gateway.admission.validate import off_loop
 from gateway.config import ProviderSpec
 from gateway.errors import ProviderError, ProviderTimeoutError, inband_error
 from gateway.models import Endpoint, InBandError, UpstreamRequest, Wire
 from gateway.providers.base import MAX_ERROR_BYTES, ChunkStream, status_error, stream_limits
+from gateway.providers.count import counted
 from gateway.scrubbing import Scrubber
 from gateway.upstream import Counter, TokenQuery, UpstreamStream
 
@@ -30,6 +33,18 @@ _TIMEOUTS = (TimeoutError, aiohttp.ServerTimeoutError)
 Session = aiohttp.ClientSession  # what an adapter over HTTP is given (the one owner of aiohttp)
 
 STREAM_PIECE_BYTES: Final = 4 * 1024  # tiny events in this many bytes take ~0.5 ms to parse
+MAX_COUNT_BYTES: Final = 64 * 1024 * 1024  # vLLM's answer lists every token id of the prompt
+
+
+class CountRequest(NamedTuple):
+    """Where a protocol's token counter is asked, and how: the body (made on first use, off the
+    loop when large), the answer's key holding the count, and whether a client's
+    `anthropic-beta` header goes along (only Anthropic's counter takes it)."""
+
+    url: str
+    body: Callable[[], dict[str, Any]]
+    key: str
+    betas: bool = False
 
 
 def make_session(spec: ProviderSpec) -> aiohttp.ClientSession:
@@ -164,11 +179,59 @@ class HTTPProvider:
     def supports(self, endpoint: Endpoint) -> bool:
         return endpoint in self._urls
 
+    def _count_request(self, upstream_model: str, query: TokenQuery) -> CountRequest | None:
+        """The protocol's token counter, if its upstream has one."""
+        return None
+
     def counter(
         self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
     ) -> Counter | None:
-        """The protocol's token counter, if its upstream has one (`gateway.providers.count`)."""
-        return None
+        """The counter `_count_request` names, asked on the provider's own pool and credentials.
+
+        The session's own timeouts bound connecting and each read; the whole is bounded too, so
+        a counter trickling bytes cannot hold the request either."""
+        asked = self._count_request(upstream_model, query)
+        if asked is None:
+            return None
+        if not asked.betas:
+            headers = {k: v for k, v in headers.items() if k != "anthropic-beta"}
+        sent = {**self.body_headers, **headers}
+        spec = self._spec
+        limit_s = (spec.connect_timeout_ms + spec.read_timeout_ms) / 1000
+
+        async def post() -> int:
+            # Translated (and encoded) before anything is sent.
+            body = await off_loop(query.size, _encoded, asked.body)
+            try:
+                async with asyncio.timeout(limit_s):
+                    status, answer, reply_headers = await _post(self.session, asked.url, body, sent)
+            except TimeoutError:
+                raise ProviderTimeoutError(
+                    f"the token counter did not answer within {limit_s:g} s",
+                    deployment=deployment,
+                    kind="timeout",
+                ) from None
+            except Exception as exc:
+                error = translate_client_error(deployment, exc)
+                if error is None:
+                    raise
+                raise error from None
+            if status >= 300:
+                raise status_error(
+                    deployment=deployment,
+                    wire=self.wire,
+                    status=status,
+                    headers=reply_headers,
+                    body=answer[:MAX_ERROR_BYTES],
+                    scrub=self.scrub,
+                )
+            try:
+                data = orjson.loads(answer)
+            except orjson.JSONDecodeError:
+                data = None
+            return counted(data.get(asked.key) if isinstance(data, dict) else None, deployment)
+
+        return post
 
     def _target(self, deployment: str, request: UpstreamRequest) -> tuple[str, dict[str, str]]:
         """Where the request goes and with which headers."""
@@ -230,3 +293,23 @@ class HTTPProvider:
     def _error(self, deployment: str, exc: BaseException) -> ProviderError | None:
         # Its message names only the exception's type: nothing the upstream wrote.
         return translate_client_error(deployment, exc)
+
+
+def _encoded(make_body: Callable[[], dict[str, Any]]) -> bytes:
+    return orjson.dumps(make_body())
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: Mapping[str, str]
+) -> tuple[int, bytes, Mapping[str, str]]:
+    """POST `body`; the status, at most MAX_COUNT_BYTES of the answer, and its headers."""
+    response = await session.post(url, data=body, headers=headers)
+    try:
+        parts: list[bytes] = []
+        size = 0
+        while size < MAX_COUNT_BYTES and (data := await response.content.read(65536)):
+            parts.append(data)
+            size += len(data)
+        return response.status, b"".join(parts), response.headers
+    finally:
+        response.close()

@@ -8,10 +8,9 @@ from typing import Final
 
 from gateway.config import ProviderSpec
 from gateway.models import Endpoint, InBandError, Wire
-from gateway.providers.count import http_counter
 from gateway.providers.decode import openai_error
-from gateway.providers.http import HTTPProvider, Session
-from gateway.upstream import Counter, TokenQuery
+from gateway.providers.http import CountRequest, HTTPProvider, Session
+from gateway.upstream import TokenQuery
 
 PATHS: Final[Mapping[Endpoint, str]] = {
     "chat": "/chat/completions",
@@ -20,13 +19,9 @@ PATHS: Final[Mapping[Endpoint, str]] = {
 }
 
 
-def without_betas(headers: Mapping[str, str]) -> dict[str, str]:
-    """A client's forwarded headers less Anthropic's betas, which other counters do not take."""
-    return {k: v for k, v in headers.items() if k != "anthropic-beta"}
-
-
 class OpenAIProvider(HTTPProvider):
-    """An OpenAI-compatible API; its counter is a native Responses API's `input_tokens`."""
+    """An OpenAI-compatible API; with `responses: native`, its Responses API's `input_tokens`
+    is its token counter."""
 
     wire: Wire = "openai"
     system = "openai"
@@ -43,18 +38,11 @@ class OpenAIProvider(HTTPProvider):
     def _inband_error(self, body: bytes) -> InBandError | None:
         return openai_error(body, scrub=self.scrub)
 
-    def counter(
-        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
-    ) -> Counter | None:
+    def _count_request(self, upstream_model: str, query: TokenQuery) -> CountRequest | None:
         if "responses" not in self._urls:
             return None  # chat completions have no counter
-        return http_counter(
-            self,
-            self._spec,
-            deployment,
+        return CountRequest(
             self._base + "/responses/input_tokens",
             lambda: {**query.responses(), "model": upstream_model},
             "input_tokens",
-            without_betas(headers),
-            query.size,
         )

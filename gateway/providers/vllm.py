@@ -4,12 +4,10 @@ as its counter and, with `bulk_priority`, bulk requests sent at a lower priority
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from gateway.latency.vllm import beside_v1
-from gateway.providers.count import http_counter
-from gateway.providers.openai import OpenAIProvider, without_betas
-from gateway.upstream import Counter, TokenQuery
+from gateway.providers.http import CountRequest
+from gateway.providers.openai import OpenAIProvider
+from gateway.upstream import TokenQuery
 
 
 class VLLMProvider(OpenAIProvider):
@@ -17,16 +15,9 @@ class VLLMProvider(OpenAIProvider):
 
     system = "vllm"
 
-    def counter(
-        self, deployment: str, upstream_model: str, query: TokenQuery, headers: Mapping[str, str]
-    ) -> Counter:
-        return http_counter(
-            self,
-            self._spec,
-            deployment,
+    def _count_request(self, upstream_model: str, query: TokenQuery) -> CountRequest:
+        return CountRequest(
             beside_v1(self._base, "/tokenize"),
             lambda: {"model": upstream_model, **query.chat()},
             "count",
-            without_betas(headers),
-            query.size,
         )

@@ -343,7 +343,8 @@ async def test_vllm_upstream_counts_with_its_tokenize(upstream: Upstream) -> Non
 async def test_native_responses_upstream_counts_with_its_own_counter() -> None:
     """An OpenAI upstream serving the Responses API natively is asked at its
     `/responses/input_tokens`: an OpenAI client's body untouched but for the model, an
-    Anthropic client's translated to Responses items."""
+    Anthropic client's translated to Responses items, without its `anthropic-beta` header
+    (only Anthropic's counter takes it)."""
     counter = ResponsesCounterFake()
     async with serve(counter) as url:
         provider = {
@@ -357,9 +358,13 @@ async def test_native_responses_upstream_counts_with_its_own_counter() -> None:
                 model="g", input=INPUT, instructions=SYSTEM, tools=[RESPONSES_TOOL]
             )
             counted = await c.anthropic.messages.count_tokens(
-                model="g", messages=MESSAGES, tools=[ANTHROPIC_TOOL]
+                model="g",
+                messages=MESSAGES,
+                tools=[ANTHROPIC_TOOL],
+                extra_headers={"anthropic-beta": "token-counting-2024-11-01"},
             )
-    (path, headers, body), (_, _, translated) = counter.requests
+    (path, headers, body), (_, translated_headers, translated) = counter.requests
+    assert "anthropic-beta" not in translated_headers
     assert path == "/v1/responses/input_tokens"
     assert headers["authorization"] == "Bearer sk-up"
     assert body == {
