@@ -9,10 +9,11 @@ its own to what a test counts.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ import openai
 import pytest
 
 from gateway.config import Settings
-from tests.conftest import Gateway, gateway_settings
+from tests.conftest import Gateway, free_port, gateway_settings
 from tests.faults.leaks import links, no_leaks, port_of, request_tasks, task_names
 from tests.faults.stall import loop_watchdog, pytest_runtest_call
 from tests.timing import eventually, scaled
@@ -54,6 +55,18 @@ for _module in (
     "watchfiles",
 ):
     importlib.import_module(_module)
+
+
+async def _sdk_transport_used() -> None:
+    """One request through the official SDK's own HTTP client, to a closed port: whatever its
+    HTTP stack imports when its first client is built and first connects (which modules
+    depends on the SDK's version) is imported here, not in a test's loop."""
+    async with openai.DefaultAsyncHttpxClient(timeout=1) as http:
+        with suppress(Exception):  # refused: the point was the imports on the way
+            await http.get(f"http://127.0.0.1:{free_port()}/")
+
+
+asyncio.run(_sdk_transport_used())
 
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "Say something."}]}
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [
