@@ -394,11 +394,12 @@ async def test_flood_leaves_the_gateway_responsive(
             async with asyncio.timeout(scaled(5)):
                 status, tail = await flooded
             await settled(up.url, upstream.url, at_most=1)
-    # A gateway the flood blocked would answer only once the flood ends (its 1.5 s idle
-    # timeout): the typical probe is answered at once, and even the slowest well before that
-    # (a busy machine may delay one by a scheduling slice or two; it stretches both alike).
+    # A gateway the flood blocked would answer only once the flood ends (its idle timeout,
+    # 1.5 s scaled): every probe was answered while it went on (checked above), the typical one
+    # at once. The slowest is bounded by the flood, not by a figure of its own: a busy machine
+    # may hold one probe for several scheduling slices.
     assert statistics.median(delays) < 0.1 * SLOW, delays
-    assert max(delays) < 0.5 * SLOW, delays
+    assert max(delays) < 1.5 * SLOW, delays
     if where == "before-first-token":
         assert status == 504
         assert error_of(tail)["code"] == "upstream_timeout"
