@@ -11,9 +11,9 @@ Each adapter answers for itself (`Provider.counter`: an HTTP adapter names its c
 body and answer key, and `HTTPProvider.counter` posts it; the simulator's is
 `simulated_counter`); one without a counter (an OpenAI-compatible chat API, Azure, Bedrock,
 Gemini, Vertex) answers None, and the caller falls back on `estimate_tokens`. A counter's
-failure is a `ProviderError`, translated here from the transport's exceptions and the
-upstream's status (through the one table, `gateway.errors.upstream_error`); what one wire cannot
-express raises `TranslationError`.
+failure is a `ProviderError` (an HTTP counter's is translated in `gateway.providers.http`, from
+the transport's exceptions and the upstream's status, through the one table); what one wire
+cannot express raises `TranslationError`.
 """
 
 from __future__ import annotations
